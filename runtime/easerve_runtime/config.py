@@ -1,0 +1,408 @@
+"""The EPDDeployment spec as pydantic models: the one source of truth.
+
+The operator generates the CRD schema from these models, validates admission requests and
+reconciles with them, and renders the runtime ConfigMap through them; the workers, the
+simulator and the tuner read their configuration through them. Python names are snake_case,
+the wire format (YAML, JSON, CRD) is camelCase.
+
+Cross-field rules that an OpenAPI schema cannot express live in model validators here, and
+raise errors that name the offending field by its full wire path (``spec.offload.ratio``), so
+``kubectl apply`` and the reconciler can both report them verbatim.
+"""
+
+from __future__ import annotations
+
+import json
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.alias_generators import to_camel
+
+GROUP = "easerve.io"
+VERSION = "v1alpha1"
+KIND = "EPDDeployment"
+PLURAL = "epddeployments"
+TIER_NAMES = ("strict", "tight", "moderate", "loose", "relaxed")
+
+
+class SpecError(ValueError):
+    """A cross-field rule failed; ``path`` is the wire path of the field to fix."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+class Model(BaseModel):
+    """Base for every spec model: camelCase on the wire, strict about unknown fields."""
+
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=True,
+        extra="forbid",
+        use_enum_values=True,
+        validate_default=True,
+    )
+
+    def wire(self) -> dict[str, Any]:
+        """The camelCase JSON-compatible dict, without unset optional fields."""
+        return self.model_dump(mode="json", by_alias=True, exclude_none=True)
+
+
+class Modality(StrEnum):
+    IMAGE = "image"
+    VIDEO = "video"
+    AUDIO = "audio"
+    OMNI = "omni"
+
+
+class Backend(StrEnum):
+    SIM = "sim"
+    TORCH = "torch"
+    VLLM = "vllm"
+
+
+class DispatchPolicy(StrEnum):
+    POISSON_GAP = "poisson-gap"
+    FIXED_TIMEOUT = "fixed-timeout"
+    EAGER = "eager"
+
+
+class PartitionMode(StrEnum):
+    NONE = "none"
+    STATIC = "static"
+    DYNAMIC = "dynamic"
+
+
+class PartitionBackend(StrEnum):
+    GREEN_CONTEXT = "green-context"
+    MPS = "mps"
+    NONE = "none"
+
+
+class DiscoveryBackend(StrEnum):
+    ETCD = "etcd"
+    KUBERNETES = "kubernetes"
+    FILE = "file"
+
+
+class DeploymentMode(StrEnum):
+    DISAGGREGATED = "disaggregated"
+    OMNI_COLOCATED = "omni-colocated"
+
+
+class OutputModality(StrEnum):
+    TEXT = "text"
+    AUDIO = "audio"
+    IMAGE = "image"
+
+
+Name = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
+
+
+class ModelSpec(Model):
+    """Which model is served and which encoder feeds it."""
+
+    name: str = Field(min_length=1, description="Model name, e.g. llava-hf/llava-v1.6-34b-hf.")
+    modality: Modality = Field(description="Input modality the encoder handles: image, video, audio or omni.")
+    served_model_name: str | None = Field(
+        default=None, description="Name clients put in the request's model field; defaults to name."
+    )
+    encoder: str = Field(min_length=1, description="Encoder id, e.g. clip-vit-l-336, whisper-large-v3.")
+
+
+class EngineSpec(Model):
+    """Which engine the workers run and which latency profile describes the hardware."""
+
+    backend: Backend = Field(default=Backend.SIM, description="sim (profile-driven), torch or vllm.")
+    image: str = Field(
+        default="ghcr.io/easerve/runtime-cpu:0.1.0", min_length=1, description="Container image of the runtime."
+    )
+    profile: str = Field(min_length=1, description="Latency profile name (see docs/profiles.md).")
+
+
+class StageAllocation(Model):
+    replicas: int = Field(default=1, ge=0, le=256, description="Number of workers of this stage.")
+    tensor_parallel: Literal[1, 2, 4, 8] = Field(default=1, description="GPUs per worker (1, 2, 4 or 8).")
+
+    @property
+    def gpus(self) -> int:
+        return self.replicas * self.tensor_parallel
+
+
+class Allocation(Model):
+    """GPUs across the encode, prefill and decode pools."""
+
+    encode: StageAllocation = Field(default_factory=StageAllocation)
+    prefill: StageAllocation = Field(default_factory=StageAllocation)
+    decode: StageAllocation = Field(default_factory=StageAllocation)
+
+    @property
+    def gpus(self) -> int:
+        return self.encode.gpus + self.prefill.gpus + self.decode.gpus
+
+    def label(self) -> str:
+        """Compact human label, e.g. ``2E-2P(tp2)-2D(tp2)``."""
+
+        def one(tag: str, s: StageAllocation) -> str:
+            return f"{s.replicas}{tag}" + (f"(tp{s.tensor_parallel})" if s.tensor_parallel > 1 else "")
+
+        return "-".join([one("E", self.encode), one("P", self.prefill), one("D", self.decode)])
+
+
+class EncodeSpec(Model):
+    """The encode micro-batcher."""
+
+    batch_bound: int = Field(default=8, ge=1, le=256, description="B: the most requests in one micro-batch.")
+    dispatch: DispatchPolicy = Field(
+        default=DispatchPolicy.POISSON_GAP, description="poisson-gap (load-adaptive), fixed-timeout or eager."
+    )
+    max_age_ms: float = Field(
+        default=50.0, gt=0, le=10_000, description="Safety valve: dispatch once the oldest waited this long."
+    )
+    gap_quantile: float = Field(
+        default=0.5, gt=0, lt=1, description="q: dispatch after a gap g = -ln(1-q)/rate with no arrival."
+    )
+    rate_half_life_ms: float = Field(
+        default=1000.0, gt=0, le=600_000, description="Half-life of the EWMA arrival-rate estimate."
+    )
+    timeout_ms: float = Field(
+        default=10.0, gt=0, le=10_000, description="Wait of the fixed-timeout policy after the first arrival."
+    )
+
+
+class OffloadSpec(Model):
+    ratio: float = Field(
+        default=1.0,
+        ge=0.0,
+        le=1.0,
+        description="s: fraction of prefills sent to remote prefill workers; s < 1 adds a local prefill "
+        "worker on each encode GPU.",
+    )
+
+
+class SMPartitionSpec(Model):
+    mode: PartitionMode = Field(default=PartitionMode.NONE, description="none, static or dynamic (per micro-batch).")
+    backend: PartitionBackend = Field(
+        default=PartitionBackend.GREEN_CONTEXT, description="green-context, mps, or none."
+    )
+    static_encode_sms: int | None = Field(
+        default=None, ge=8, le=1024, description="Encode SMs in static mode (the rest go to local prefill)."
+    )
+    table_config_map: str | None = Field(
+        default=None, description="ConfigMap holding the partition table from `easerve profile-partition`."
+    )
+
+
+class SLOTier(Model):
+    name: Name
+    ttft_seconds: float = Field(gt=0, le=3600, description="P99 time-to-first-token bound, seconds.")
+    tpot_ms: float = Field(gt=0, le=60_000, description="P99 time-per-output-token bound, milliseconds.")
+
+
+class SLOSpec(Model):
+    tiers: list[SLOTier] = Field(min_length=1, max_length=16, description="Named SLO tiers, strict to relaxed.")
+    objective: str = Field(default="moderate", description="Tier whose goodput is the objective.")
+
+    def tier(self, name: str) -> SLOTier:
+        for t in self.tiers:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+class TuningSpec(Model):
+    enabled: bool = Field(default=False, description="Run HAS and report the best configuration in status.")
+    target_rate: float | None = Field(default=None, gt=0, le=10_000, description="Λ: target arrival rate, req/s.")
+    trial_budget: int = Field(default=30, ge=1, le=1000, description="Most Stage-2 trials.")
+    requests_per_trial: int = Field(default=500, ge=10, le=1_000_000, description="Requests per trial rollout.")
+    objective: str = Field(
+        default="throughput", pattern=r"^(throughput|goodput@[a-z0-9-]+)$", description="throughput or goodput@TIER."
+    )
+
+
+class DiscoverySpec(Model):
+    backend: DiscoveryBackend = Field(default=DiscoveryBackend.ETCD, description="Dynamo discovery: etcd, kubernetes or file.")
+    etcd_endpoints: str | None = Field(default=None, description="etcd endpoints for the etcd backend.")
+
+
+class ObservabilitySpec(Model):
+    prometheus_url: str | None = Field(default=None, description="Prometheus base URL that HAS queries.")
+
+
+class EnvVar(Model):
+    name: str = Field(min_length=1)
+    value: str = ""
+
+
+class PodOverrides(Model):
+    """Applied to every stage's pod template."""
+
+    resources: dict[str, dict[str, str]] | None = Field(
+        default=None, description="Extra requests/limits (nvidia.com/gpu is set from the allocation)."
+    )
+    node_selector: dict[str, str] | None = None
+    tolerations: list[dict[str, Any]] | None = None
+    env: list[EnvVar] | None = None
+
+
+class OmniClass(Model):
+    name: Name
+    output: OutputModality
+    priority: int | None = Field(default=None, ge=0, le=1000, description="API priority; defaults 0/10/20 by output.")
+    slo_multiplier: float = Field(default=5.0, gt=0, le=1000, description="SLO = solo p95 × this.")
+    slo_seconds: float | None = Field(default=None, gt=0, le=3600, description="Absolute SLO; overrides the multiplier.")
+
+
+class OmniSpec(Model):
+    classes: list[OmniClass] = Field(min_length=1, max_length=16)
+    rotation_m: int = Field(default=2, ge=1, le=64, description="M: long-path steps per rotation cycle.")
+    n_min: int = Field(default=2, ge=1, le=64)
+    n_max: int = Field(default=8, ge=1, le=64)
+    long_path_cap: int = Field(default=4, ge=1, le=1024, description="Most ordinary long-path prefills per step.")
+    u_guard: float = Field(default=1.5, gt=0, le=100, description="Slack ratio under which a request is protected.")
+
+
+class EPDDeploymentSpec(Model):
+    """The desired state of one multimodal serving deployment."""
+
+    model: ModelSpec
+    engine: EngineSpec
+    gpu_budget: int = Field(ge=1, le=4096, description="Most GPUs this deployment may use.")
+    mode: DeploymentMode = Field(default=DeploymentMode.DISAGGREGATED)
+    allocation: Allocation = Field(default_factory=Allocation)
+    encode: EncodeSpec = Field(default_factory=EncodeSpec)
+    offload: OffloadSpec = Field(default_factory=OffloadSpec)
+    sm_partition: SMPartitionSpec = Field(default_factory=SMPartitionSpec)
+    slo: SLOSpec
+    tuning: TuningSpec = Field(default_factory=TuningSpec)
+    discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
+    pod: PodOverrides = Field(default_factory=PodOverrides)
+    omni: OmniSpec | None = None
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> EPDDeploymentSpec:
+        for err in cross_field_errors(self):
+            raise err
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        return self.model.served_model_name or self.model.name
+
+    @property
+    def has_local_prefill(self) -> bool:
+        return self.mode == DeploymentMode.DISAGGREGATED and self.offload.ratio < 1.0
+
+
+def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    """Rules the schema cannot express. Each names its field by wire path."""
+    errs: list[SpecError] = []
+    a = spec.allocation
+    tier_names = [t.name for t in spec.slo.tiers]
+    if len(set(tier_names)) != len(tier_names):
+        errs.append(SpecError("spec.slo.tiers", f"tier names must be unique, got {tier_names}"))
+    if spec.slo.objective not in tier_names:
+        errs.append(SpecError("spec.slo.objective", f"'{spec.slo.objective}' is not a tier in spec.slo.tiers {tier_names}"))
+    if spec.tuning.objective.startswith("goodput@"):
+        tier = spec.tuning.objective.split("@", 1)[1]
+        if tier not in tier_names:
+            errs.append(SpecError("spec.tuning.objective", f"tier '{tier}' is not in spec.slo.tiers {tier_names}"))
+    if spec.tuning.enabled and spec.tuning.target_rate is None:
+        errs.append(SpecError("spec.tuning.targetRate", "is required when spec.tuning.enabled is true"))
+    if spec.mode == DeploymentMode.OMNI_COLOCATED:
+        if spec.omni is None:
+            errs.append(SpecError("spec.omni", "is required when spec.mode is omni-colocated"))
+        if spec.model.modality != Modality.OMNI:
+            errs.append(SpecError("spec.model.modality", "must be omni when spec.mode is omni-colocated"))
+        if spec.omni is not None and spec.omni.n_min > spec.omni.n_max:
+            errs.append(SpecError("spec.omni.nMin", f"({spec.omni.n_min}) must not exceed spec.omni.nMax ({spec.omni.n_max})"))
+        return errs
+    if spec.omni is not None:
+        errs.append(SpecError("spec.omni", "is only valid when spec.mode is omni-colocated"))
+    if a.encode.tensor_parallel != 1:
+        errs.append(SpecError("spec.allocation.encode.tensorParallel", "encode workers use one GPU each (must be 1)"))
+    if a.decode.replicas < 1:
+        errs.append(SpecError("spec.allocation.decode.replicas", "at least one decode worker is required"))
+    if a.encode.replicas < 1:
+        errs.append(SpecError("spec.allocation.encode.replicas", "at least one encode worker is required"))
+    if a.gpus > spec.gpu_budget:
+        errs.append(
+            SpecError(
+                "spec.allocation",
+                f"needs {a.gpus} GPUs ({a.label()}), more than spec.gpuBudget={spec.gpu_budget}",
+            )
+        )
+    s = spec.offload.ratio
+    if s > 0 and a.prefill.replicas < 1:
+        errs.append(
+            SpecError("spec.offload.ratio", f"is {s} but spec.allocation.prefill.replicas is 0: nothing to offload to")
+        )
+    if s < 1 and a.encode.replicas < 1:
+        errs.append(SpecError("spec.offload.ratio", f"is {s} (< 1) but there are no encode GPUs to host local prefill"))
+    if spec.sm_partition.mode != PartitionMode.NONE and s >= 1:
+        errs.append(
+            SpecError(
+                "spec.smPartition.mode",
+                f"is {spec.sm_partition.mode} but spec.offload.ratio is 1: no local prefill shares the encode GPU",
+            )
+        )
+    if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
+        errs.append(SpecError("spec.smPartition.staticEncodeSMs", "is required when spec.smPartition.mode is static"))
+    return errs
+
+
+def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[str]:
+    """Format a pydantic error as ``spec.a.b: message`` lines naming each field by wire path."""
+    out: list[str] = []
+    for e in exc.errors():
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, SpecError):
+            out.append(str(ctx_err))
+            continue
+        loc = ".".join([prefix] + [str(p) for p in e["loc"]])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{loc}: {msg}")
+    return out
+
+
+def parse_spec(data: dict[str, Any]) -> EPDDeploymentSpec:
+    return EPDDeploymentSpec.model_validate(data)
+
+
+def load_manifest(path: str | Path) -> tuple[str, EPDDeploymentSpec]:
+    """Read an EPDDeployment manifest (YAML) and return (metadata.name, validated spec)."""
+    docs = [d for d in yaml.safe_load_all(Path(path).read_text()) if d]
+    for d in docs:
+        if d.get("kind") == KIND:
+            return d["metadata"]["name"], parse_spec(d.get("spec") or {})
+    raise ValueError(f"{path}: no {KIND} document found")
+
+
+class RuntimeConfig(Model):
+    """What a worker pod reads from its ConfigMap: where it is, and the spec it serves."""
+
+    name: str
+    namespace: str = "default"
+    dynamo_namespace: str = Field(description="Dynamo namespace: endpoints are <ns>.<stage>.generate.")
+    spec: EPDDeploymentSpec
+
+    def to_json(self) -> str:
+        return json.dumps(self.wire(), sort_keys=True, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str) -> RuntimeConfig:
+        return cls.model_validate_json(text)
+
+
+def dynamo_namespace(namespace: str, name: str) -> str:
+    """Dynamo namespaces are dotted paths; keep them free of dots and dashes."""
+    return f"{namespace}_{name}".replace("-", "_").replace(".", "_")
+
