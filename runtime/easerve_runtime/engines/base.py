@@ -1,0 +1,143 @@
+"""The engine protocol: what a worker asks of the hardware, and nothing about how.
+
+Workers (``easerve_runtime.workers``) own queues, batching, routing and transport; an engine
+only runs one batch of one stage and returns its outputs. Splitting the protocol per stage lets
+an implementation cover only the stage it accelerates (the torch encoder in
+``engines/torch_encode.py`` implements :class:`EncodeEngine` alone) while the sim engine covers
+all three.
+
+Every call is ``async`` because a real engine awaits a device (or a thread) and the sim engine
+awaits its modelled latency: either way the worker's event loop keeps accepting arrivals while
+a batch runs, which is what lets the micro-batcher see requests accumulate during a busy encoder.
+
+Data crossing the protocol is plain bytes plus shape/dtype so that it can be packed into an
+envelope (``policies.envelope``) and sent over Dynamo's TCP request plane without a framework
+tensor type leaking into the transport.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+PART_KINDS = ("image", "audio", "video")
+"""Media part kinds a request may carry (text is counted in ``text_tokens``, not a part)."""
+
+
+@dataclass(frozen=True)
+class MediaPart:
+    """One decoded media input of a request: an image, an audio clip or a video.
+
+    ``data`` holds the raw encoded bytes as received (PNG/JPEG, WAV/MP3, MP4...); real encoders
+    decode them, the sim engine only uses their count and kind. ``frames`` is the number of
+    frames a video part stands for (1 for images and audio) so video costs scale.
+    """
+
+    kind: str
+    data: bytes
+    mime: str = ""
+    frames: int = 1
+
+
+@dataclass(frozen=True)
+class EncodeInput:
+    """The encode stage's view of one request."""
+
+    request_id: str
+    parts: tuple[MediaPart, ...]
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class Embedding:
+    """The encoder output for one request: ``tokens`` embedding rows as one contiguous buffer.
+
+    ``shape`` is ``(tokens, hidden)`` and ``dtype`` a numpy dtype name (``"bfloat16"`` is carried
+    as raw 2-byte values); ``len(data) == prod(shape) * itemsize``.
+    """
+
+    request_id: str
+    data: bytes
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def tokens(self) -> int:
+        return int(self.shape[0]) if self.shape else 0
+
+
+@dataclass(frozen=True)
+class PrefillInput:
+    """One request ready for prefill: its text tokens plus the multimodal embedding rows."""
+
+    request_id: str
+    text_tokens: int
+    mm_tokens: int
+    seed: int = 0
+
+    @property
+    def prompt_tokens(self) -> int:
+        return self.text_tokens + self.mm_tokens
+
+
+@dataclass(frozen=True)
+class PrefillOutput:
+    """Prefill's result: the first generated token and the KV cache handed to decode.
+
+    ``kv_bytes`` is the size of the KV cache that the decode worker must receive. The sim engine
+    does not materialise it (a 34B model's cache is hundreds of MB per request); the handoff time
+    is charged from this size through the profile's transfer model instead.
+    """
+
+    request_id: str
+    first_token: int
+    kv_bytes: int
+
+
+@dataclass
+class DecodeSequence:
+    """A sequence being decoded: mutable because each step appends one token."""
+
+    request_id: str
+    context_tokens: int
+    max_tokens: int
+    seed: int = 0
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        return len(self.generated) >= self.max_tokens
+
+
+@runtime_checkable
+class EncodeEngine(Protocol):
+    """Encodes one micro-batch. ``sm_share`` in (0, 1] is the fraction of the GPU's SMs granted."""
+
+    async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]: ...
+
+
+@runtime_checkable
+class PrefillEngine(Protocol):
+    """Prefills one batch of requests whose embeddings have arrived."""
+
+    async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]: ...
+
+
+@runtime_checkable
+class DecodeEngine(Protocol):
+    """Runs one decode step over the running batch; returns one new token per sequence, in order.
+
+    The caller appends the tokens and removes finished sequences; the engine keeps no per-request
+    state, so a worker can add or drop sequences between any two steps (continuous batching).
+    """
+
+    async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]: ...
+
+    async def receive_kv(self, kv_bytes: int) -> None:
+        """Account for receiving a KV cache of ``kv_bytes`` from prefill (sim: a modelled wait)."""
+        ...
+
+
+class Engine(EncodeEngine, PrefillEngine, DecodeEngine, Protocol):
+    """An engine that covers all three stages (the sim engine does)."""
