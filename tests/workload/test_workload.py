@@ -8,7 +8,6 @@ import random
 from pathlib import Path
 
 import pytest
-
 from easerve_runtime.config import SLOSpec, load_manifest
 from easerve_runtime.workload import (
     Request,
@@ -23,7 +22,9 @@ from easerve_runtime.workload import (
 )
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = {m: ROOT / "examples" / f"{m}.yaml" for m in ("llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b")}
+EXAMPLES = {
+    m: ROOT / "examples" / f"{m}.yaml" for m in ("llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b")
+}
 
 
 def spec_of(name: str):
@@ -91,7 +92,10 @@ def test_trace_round_trip(tmp_path: Path) -> None:
         ({"id": "a", "arrival_s": 0.0, "modality": "image", "bogus": 1}, "unknown field"),
         ({"id": "a", "modality": "image"}, "missing field"),
         ({"id": "a", "arrival_s": "soon", "modality": "image"}, "arrival_s"),
-        ({"id": "a", "arrival_s": 0.0, "modality": "image", "media_tokens": 5, "output_tokens": 0}, "output_tokens"),
+        (
+            {"id": "a", "arrival_s": 0.0, "modality": "image", "media_tokens": 5, "output_tokens": 0},
+            "output_tokens",
+        ),
     ],
 )
 def test_bad_trace_lines_are_rejected_naming_line_and_field(tmp_path: Path, line: dict, match: str) -> None:
@@ -114,7 +118,13 @@ def test_duplicate_ids_and_unsorted_arrivals_are_rejected(tmp_path: Path) -> Non
 
 
 SLO = SLOSpec.model_validate(
-    {"objective": "moderate", "tiers": [{"name": "strict", "ttftSeconds": 1, "tpotMs": 50}, {"name": "moderate", "ttftSeconds": 4, "tpotMs": 100}]}
+    {
+        "objective": "moderate",
+        "tiers": [
+            {"name": "strict", "ttftSeconds": 1, "tpotMs": 50},
+            {"name": "moderate", "ttftSeconds": 4, "tpotMs": 100},
+        ],
+    }
 )
 
 

@@ -13,7 +13,9 @@ import random
 ARRIVALS = ("poisson", "gamma")
 
 
-def interarrival_gaps(rate: float, n: int, rng: random.Random, arrival: str = "poisson", cv: float = 1.0) -> list[float]:
+def interarrival_gaps(
+    rate: float, n: int, rng: random.Random, arrival: str = "poisson", cv: float = 1.0
+) -> list[float]:
     """``n`` inter-arrival gaps (seconds) at mean rate ``rate`` req/s."""
     if not rate > 0:
         raise ValueError(f"rate: must be > 0 req/s, got {rate}")
@@ -30,7 +32,9 @@ def interarrival_gaps(rate: float, n: int, rng: random.Random, arrival: str = "p
     raise ValueError(f"arrival: must be one of {ARRIVALS}, got {arrival!r}")
 
 
-def arrival_times(rate: float, n: int, rng: random.Random, arrival: str = "poisson", cv: float = 1.0) -> list[float]:
+def arrival_times(
+    rate: float, n: int, rng: random.Random, arrival: str = "poisson", cv: float = 1.0
+) -> list[float]:
     """Absolute arrival times; the first request arrives at t = 0 so runs start busy."""
     gaps = interarrival_gaps(rate, n, rng, arrival, cv)
     times: list[float] = []

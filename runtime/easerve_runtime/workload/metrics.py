@@ -49,7 +49,9 @@ def run_duration(records: Iterable[RequestRecord]) -> float:
     return (max(ends) - start) if ends else 0.0
 
 
-def summarize(records: Sequence[RequestRecord], slo: SLOSpec, duration: float | None = None) -> dict[str, Any]:
+def summarize(
+    records: Sequence[RequestRecord], slo: SLOSpec, duration: float | None = None
+) -> dict[str, Any]:
     """The run's metrics as a JSON-ready dict.
 
     Keys: ``requests``, ``completed``, ``failed``, ``duration_s``, ``throughput`` (completed req/s),

@@ -53,7 +53,9 @@ def parse_request(d: object, where: str = "request") -> Request:
         raise ValueError(f"{where}: missing field(s) {sorted(missing)}")
     for key, kinds in _TYPES.items():
         if key in d and (not isinstance(d[key], kinds) or isinstance(d[key], bool)):
-            raise ValueError(f"{where}: {key}: expected {' or '.join(k.__name__ for k in kinds)}, got {d[key]!r}")
+            raise ValueError(
+                f"{where}: {key}: expected {' or '.join(k.__name__ for k in kinds)}, got {d[key]!r}"
+            )
     try:
         r = Request(**d)
     except TypeError as exc:
