@@ -1,0 +1,115 @@
+"""Routing decisions after encode: remote vs local prefill (deficit), and which remote worker.
+
+Partial offload (EAServe §3.3) sends a fraction s of prefills to the remote prefill pool and keeps
+the rest on the local prefill worker that shares the encode GPU. Random routing with probability s
+would give the right mean but bursty runs (long streaks to one side inflate queues there); the
+deficit counter spreads decisions as evenly as any sequence can: keep d = 0, and per request
+d += s; if d >= 1 route REMOTE and d -= 1, otherwise LOCAL. After n requests exactly ⌊n·s⌋ went
+remote, REMOTE runs are at most ⌈1/(1-s)⌉ long and LOCAL runs at most ⌈1/s⌉.
+
+Floating point: summing 0.1 ten times gives 0.9999999999999999, so a float accumulator would
+drift and a run could be one too long. We accumulate in exact integers instead: a float s is a
+dyadic rational p/q (``float.as_integer_ratio``), and d is kept as an integer numerator over q.
+Hence s = 1 is always REMOTE, s = 0 always LOCAL, and the counts are exact for every n.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping, Sequence
+from enum import StrEnum
+from typing import TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class Route(StrEnum):
+    REMOTE = "remote"
+    LOCAL = "local"
+
+
+class DeficitRouter:
+    """Deterministic REMOTE/LOCAL split with ratio ``s`` (``spec.offload.ratio``)."""
+
+    __slots__ = ("_num", "_den", "_d", "_ratio", "remote_count", "local_count")
+
+    def __init__(self, s: float) -> None:
+        self._d = 0
+        self._num = 0
+        self._den = 1
+        self._ratio = 0.0
+        self.remote_count = 0
+        self.local_count = 0
+        self.set_ratio(s)
+
+    @property
+    def ratio(self) -> float:
+        return self._ratio
+
+    def set_ratio(self, s: float) -> None:
+        """Change s on the fly (HAS may retune); the accumulated deficit is carried over."""
+        if isinstance(s, bool) or not isinstance(s, int | float) or not (0.0 <= float(s) <= 1.0):
+            raise ValueError(f"offload ratio s must be a number in [0, 1], got {s!r}")
+        num, den = float(s).as_integer_ratio()
+        # carry d over, rounding down so the invariant 0 <= d < 1 keeps holding
+        self._d = (self._d * den) // self._den
+        self._num, self._den, self._ratio = num, den, float(s)
+
+    @property
+    def deficit(self) -> float:
+        """d in [0, 1): the fraction of a remote request owed so far (exported as a gauge)."""
+        return self._d / self._den
+
+    def decide(self) -> Route:
+        d = self._d + self._num
+        if d >= self._den:
+            self._d = d - self._den
+            self.remote_count += 1
+            return Route.REMOTE
+        self._d = d
+        self.local_count += 1
+        return Route.LOCAL
+
+
+def least_outstanding(candidates: Sequence[K], outstanding: Mapping[K, int], start: int = 0) -> K:
+    """The candidate with the fewest outstanding requests (missing keys count as 0).
+
+    Ties go to the first tied candidate at or after position ``start`` (cyclically), so a caller
+    that advances ``start`` past its last pick rotates among equally loaded workers instead of
+    piling onto the first one whenever requests finish quickly. ``LeastOutstanding`` does that.
+    """
+    n = len(candidates)
+    if n == 0:
+        raise ValueError("least_outstanding: no candidates")
+    return candidates[_pick_index(candidates, outstanding, start % n)]
+
+
+def _pick_index(candidates: Sequence[K], outstanding: Mapping[K, int], start: int) -> int:
+    n = len(candidates)
+    get = outstanding.get
+    best_i = start
+    best = get(candidates[start], 0)
+    for j in range(1, n):
+        i = start + j
+        if i >= n:
+            i -= n
+        v = get(candidates[i], 0)
+        if v < best:
+            best, best_i = v, i
+    return best_i
+
+
+class LeastOutstanding:
+    """Stateful picker: fewest outstanding, ties rotating round-robin from after the last pick."""
+
+    __slots__ = ("_next",)
+
+    def __init__(self) -> None:
+        self._next = 0
+
+    def pick(self, candidates: Sequence[K], outstanding: Mapping[K, int]) -> K:
+        n = len(candidates)
+        if n == 0:
+            raise ValueError("LeastOutstanding.pick: no candidates")
+        i = _pick_index(candidates, outstanding, self._next % n)
+        self._next = i + 1
+        return candidates[i]
