@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from easerve_runtime.config import OmniClass, OmniSpec
 from easerve_runtime.policies.omni import (
     EDFScheduler,
@@ -22,9 +21,18 @@ from easerve_runtime.policies.omni import (
 S, L = PathKind.SHORT, PathKind.LONG
 
 
-def req(i: int, path: PathKind, arrival: float = 0.0, deadline: float = 100.0, remaining: float = 0.01,
-        decode: bool = False, tokens: int = 10) -> OmniRequest:
-    return OmniRequest(f"r{i}", "text" if path is S else "audio", path, arrival, deadline, remaining, tokens, decode)
+def req(
+    i: int,
+    path: PathKind,
+    arrival: float = 0.0,
+    deadline: float = 100.0,
+    remaining: float = 0.01,
+    decode: bool = False,
+    tokens: int = 10,
+) -> OmniRequest:
+    return OmniRequest(
+        f"r{i}", "text" if path is S else "audio", path, arrival, deadline, remaining, tokens, decode
+    )
 
 
 class Everything(FCFSScheduler):
@@ -157,8 +165,13 @@ def test_slo_table_round_trips_through_json_and_follows_spec() -> None:
 
 
 def test_classes_from_api_priority() -> None:
-    spec = OmniSpec(classes=[OmniClass(name="t", output="text"), OmniClass(name="a", output="audio"),
-                             OmniClass(name="i", output="image")])
+    spec = OmniSpec(
+        classes=[
+            OmniClass(name="t", output="text"),
+            OmniClass(name="a", output="audio"),
+            OmniClass(name="i", output="image"),
+        ]
+    )
     table = class_table(spec.classes)
     assert [class_for_priority(table, p).name for p in (0, 10, 20)] == ["t", "a", "i"]
     assert table["t"].path is S and table["a"].path is L and table["i"].path is L

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from easerve_runtime.omni.profile import OmniProfile, Sharing
+from easerve_runtime.omni.profile import ClassProfile, OmniProfile, Sharing
 from easerve_runtime.policies.omni import ClassInfo, OmniRequest, OmniScheduler, PathKind, SLOTable, StepPlan
 from easerve_runtime.policies.partition import BandwidthThrottle
 
@@ -119,7 +119,7 @@ class OmniEngine:
         self.queue.append(req)
         return job
 
-    def _class_by_output(self, output: str):  # type: ignore[no-untyped-def]
+    def _class_by_output(self, output: str) -> ClassProfile:
         for c in self.profile.classes.values():
             if c.output == output:
                 return c

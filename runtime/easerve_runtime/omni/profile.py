@@ -120,7 +120,9 @@ class OmniProfile:
     def decode_step_s(self, batch: int, context_tokens: int) -> float:
         if batch <= 0:
             return 0.0
-        return self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context_tokens
+        return (
+            self.decode_fixed_s + self.decode_per_seq_s * batch + self.decode_per_ctx_token_s * context_tokens
+        )
 
     def shared_step_s(self, prefill_tokens: int, decodes: int, context_tokens: int) -> float:
         return self.prefill_s(prefill_tokens) + self.decode_step_s(decodes, context_tokens)
@@ -130,7 +132,9 @@ class OmniProfile:
 
     # -- remaining-time estimate (r_hat) ---------------------------------------------------
 
-    def remaining_s(self, cls: str, prompt_tokens: int, prefilled: bool, tokens_left: int, steps_left: int) -> float:
+    def remaining_s(
+        self, cls: str, prompt_tokens: int, prefilled: bool, tokens_left: int, steps_left: int
+    ) -> float:
         """Coarse remaining time to first response (profile minus progress), one request alone."""
         c = self.classes[cls]
         r = 0.0 if prefilled else self.prefill_s(prompt_tokens)
@@ -196,7 +200,9 @@ def _parse(d: dict[str, Any], source: str) -> OmniProfile:
                 total_steps=Dist.parse(c.get("total_steps", 0), where + ".total_steps"),
             )
             if classes[name].long and classes[name].first_output_steps < 1:
-                raise ValueError(f"{where}.first_output_steps: a long-path class needs at least one downstream step")
+                raise ValueError(
+                    f"{where}.first_output_steps: a long-path class needs at least one downstream step"
+                )
         prof = OmniProfile(
             name=d["name"],
             total_sms=int(d["gpu"]["sms"]),
@@ -233,7 +239,7 @@ def available() -> list[str]:
 def load_omni_profile(name: str) -> OmniProfile:
     """Load ``omni/data/<name>.json``; a ``<model>@<gpu>`` profile name or a path to a JSON file."""
     path = Path(name)
-    if not path.suffix == ".json":
+    if path.suffix != ".json":
         path = DATA_DIR / f"{name}.json"
     if not path.exists():
         raise ValueError(f"spec.engine.profile: unknown omni profile {name!r}; available: {available()}")

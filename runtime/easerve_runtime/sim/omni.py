@@ -75,13 +75,20 @@ def profile_class(profile: OmniProfile, info: ClassInfo) -> ClassProfile:
     for c in profile.classes.values():
         if c.output == info.output:
             return c
-    raise ValueError(f"spec.engine.profile: {profile.name} has no class with output {info.output!r} (class {info.name})")
+    raise ValueError(
+        f"spec.engine.profile: {profile.name} has no class with output {info.output!r} (class {info.name})"
+    )
 
 
-def class_mix(profile: OmniProfile, classes: dict[str, ClassInfo], long_path_ratio: float | None) -> dict[str, float]:
+def class_mix(
+    profile: OmniProfile, classes: dict[str, ClassInfo], long_path_ratio: float | None
+) -> dict[str, float]:
     """Class weights: the profile's mix (by name or output); ``long_path_ratio`` rescales the
     long-path classes to that total share (the short-path ones get the rest)."""
-    w = {n: profile.mix.get(n, profile.mix.get(profile_class(profile, c).name, 0.0)) for n, c in classes.items()}
+    w = {
+        n: profile.mix.get(n, profile.mix.get(profile_class(profile, c).name, 0.0))
+        for n, c in classes.items()
+    }
     if not any(w.values()):
         w = {n: 1.0 for n in classes}
     if long_path_ratio is not None:
@@ -92,7 +99,11 @@ def class_mix(profile: OmniProfile, classes: dict[str, ClassInfo], long_path_rat
         lsum = sum(w[n] for n in longs) or float(len(longs))
         ssum = sum(w[n] for n in shorts) or float(len(shorts))
         w = {
-            n: (long_path_ratio * (w[n] or 1.0) / lsum if n in longs else (1 - long_path_ratio) * (w[n] or 1.0) / ssum)
+            n: (
+                long_path_ratio * (w[n] or 1.0) / lsum
+                if n in longs
+                else (1 - long_path_ratio) * (w[n] or 1.0) / ssum
+            )
             for n in classes
         }
     tot = sum(w.values())
@@ -268,9 +279,13 @@ def run_cli(name: str, spec: EPDDeploymentSpec, args: argparse.Namespace) -> int
     if getattr(args, "json", False):
         print(json.dumps(out, indent=2, sort_keys=True))
     else:
-        print(f"{name} [{out['profile']}] policy={policy} rate={rate} req/s: SLO attainment {out['slo_attainment']:.3f}")
+        print(
+            f"{name} [{out['profile']}] policy={policy} rate={rate} req/s: SLO attainment {out['slo_attainment']:.3f}"
+        )
         for cls, d in out["per_class"].items():
-            print(f"  {cls:>10}: attainment {d['attainment']:.3f}  p95 {d['p95_s']:.3f}s  (SLO {d['slo_s']:.3f}s)")
+            print(
+                f"  {cls:>10}: attainment {d['attainment']:.3f}  p95 {d['p95_s']:.3f}s  (SLO {d['slo_s']:.3f}s)"
+            )
     return 0
 
 
