@@ -1,0 +1,83 @@
+"""Stop rules, lexicographic selection and the objective."""
+
+from __future__ import annotations
+
+import pytest
+from easerve_operator.tuning.loop import StopRules, stop_reason
+from easerve_operator.tuning.runners import TrialMetrics
+from easerve_operator.tuning.selection import Objective, rank, select_best
+
+R = StopRules(budget=30, patience=5, spread=0.01)
+
+
+def test_no_stop_while_improving():
+    assert stop_reason([], R) is None
+    assert stop_reason([1.0, 2.0, 3.0, 4.0], R) is None
+
+
+def test_converged_when_top_three_within_one_percent():
+    # top three 3.00, 2.99, 2.975: spread (3.00 - 2.975) / 3.00 = 0.83% < 1%
+    assert stop_reason([1.0, 3.0, 2.99, 2.975], R) == "converged"
+    # spread exactly at 1.2% does not stop
+    assert stop_reason([1.0, 3.0, 2.99, 2.964], R) is None
+    # only two results cannot have a top three
+    assert stop_reason([3.0, 3.0], R) is None
+
+
+def test_stalled_after_five_trials_without_improvement():
+    vals = [1.0, 2.0, 1.5, 1.2, 1.9, 1.1]  # 4 without improvement after the 2.0
+    assert stop_reason(vals, R) is None
+    assert stop_reason([*vals, 1.95], R) == "stalled"
+    # an equal value is not an improvement; a failed trial (None) is not either
+    assert stop_reason([2.0, 1.0, 2.0, None, 0.5, 1.0], R) == "stalled"
+
+
+def test_budget_is_the_last_resort():
+    vals = [float(i) for i in range(1, 31)]  # strictly improving, spread always large
+    assert stop_reason(vals[:29], R) is None
+    assert stop_reason(vals, R) == "budget"
+    assert stop_reason([None, None, None], StopRules(budget=3, patience=10)) == "budget"
+
+
+def test_bad_rules_name_the_field():
+    with pytest.raises(ValueError, match="budget"):
+        StopRules(budget=0)
+    with pytest.raises(ValueError, match="spread"):
+        StopRules(spread=1.5)
+
+
+def m(thr: float, ttft: float, tpot: float, moderate: float = 0.0) -> TrialMetrics:
+    return TrialMetrics(thr, ttft, tpot, {"moderate": moderate})
+
+
+def test_lexicographic_throughput_then_ttft_then_tpot():
+    thr = Objective.parse("throughput")
+    items = [m(2.0, 1.0, 0.05), m(3.0, 2.0, 0.05), m(3.0, 1.5, 0.07), m(3.0, 1.5, 0.06)]
+    # exact tie on throughput (rel_tol 0): lowest TTFT, then lowest TPOT
+    assert select_best(items, lambda x: x, thr, rel_tol=0.0) is items[3]
+    # strictly higher throughput wins regardless of latency
+    items2 = [m(3.01, 9.0, 0.9), *items]
+    assert select_best(items2, lambda x: x, thr, rel_tol=0.0) is items2[0]
+    # with a 1% tolerance, 3.01 and 3.0 are comparable, so TTFT decides
+    assert select_best(items2, lambda x: x, thr, rel_tol=0.01) is items[3]
+    assert rank(items, lambda x: x, thr, rel_tol=0.0) == [items[3], items[2], items[1], items[0]]
+
+
+def test_remaining_exact_ties_keep_the_earliest():
+    thr = Objective.parse("throughput")
+    a, b = m(1.0, 1.0, 0.1), m(1.0, 1.0, 0.1)
+    assert select_best([a, b], lambda x: x, thr) is a
+    assert select_best([], lambda x: x, thr) is None
+
+
+def test_goodput_objective_ranks_by_tier():
+    good = Objective.parse("goodput@moderate", ["strict", "moderate"])
+    items = [m(3.0, 1.0, 0.05, moderate=1.0), m(2.0, 1.0, 0.05, moderate=1.8)]
+    assert select_best(items, lambda x: x, good) is items[1]
+    assert str(good) == "goodput@moderate"
+    with pytest.raises(ValueError, match="tier 'nope'"):
+        Objective.parse("goodput@nope", ["strict"])
+    with pytest.raises(ValueError, match="objective"):
+        Objective.parse("latency")
+    with pytest.raises(KeyError, match="strict"):
+        Objective.parse("goodput@strict").value(items[0])

@@ -1,0 +1,159 @@
+"""Whole searches over the test doubles: determinism, resume after a kill, failures, baselines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from easerve_operator.tuning.loop import StopRules
+from easerve_operator.tuning.records import RecordMismatch, RecordStore
+from easerve_operator.tuning.search import tune
+from easerve_operator.tuning.space import space_for
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: escapes the loop's per-trial error handling."""
+
+
+class KillAfter:
+    def __init__(self, inner, n: int) -> None:
+        self.inner, self.n, self.calls = inner, n, 0
+
+    def run_trial(self, spec, rate, requests, seed):
+        if self.calls >= self.n:
+            raise Killed()
+        self.calls += 1
+        return self.inner.run_trial(spec, rate, requests, seed)
+
+
+def run(spec, td, method="has", seed=3, store=None, resume=False, runner=None, budget=30, **kw):
+    space = space_for(spec, 2, max_batch=8, s_step=0.1)
+    return tune(
+        spec,
+        runner=runner or td.AnalyticTestRunner(),
+        profiler=td.TableTestProfiler(),
+        space=space,
+        rate=5.0,
+        method=method,
+        seed=seed,
+        requests=100,
+        rules=StopRules(budget=budget),
+        store=store,
+        resume=resume,
+        clock=td.FakeClock(),
+        **kw,
+    )
+
+
+def keys(res):
+    return [(t.candidate.key(), t.value, t.cached) for t in res.trials]
+
+
+@pytest.mark.parametrize("method", ["has", "random", "coordinate"])
+def test_seeded_search_is_deterministic(image_spec, td, method):
+    a, b = run(image_spec, td, method), run(image_spec, td, method)
+    assert keys(a) == keys(b) and a.stop_reason == b.stop_reason
+    assert a.to_dict() == b.to_dict()
+
+
+def test_has_runs_seeds_first_and_only_survivors(image_spec, td):
+    runner = td.AnalyticTestRunner()
+    res = run(image_spec, td, runner=runner)
+    seeds = [(s.alloc, s.b_seed, s.s_seed) for s in res.stage1.seeds]
+    assert [t.candidate.key() for t in res.trials[: len(seeds)]] == seeds
+    assert all(t.seeded for t in res.trials[: len(seeds)])
+    survivors = set(res.stage1.survivors)
+    assert all(t.candidate.alloc in survivors for t in res.trials)
+    # every real trial ran exactly once on the runner; cached ones did not run again
+    real = [t for t in res.trials if not t.cached]
+    assert len(runner.log) == len(real) == len({t.candidate.key() for t in real})
+    assert res.stop_reason in {"converged", "stalled", "budget", "exhausted"}
+    assert res.best is not None and res.best.value == max(t.value for t in real)
+    assert res.best.spec.allocation.label() == res.best.allocation
+
+
+def test_resume_after_kill_repeats_nothing_and_loses_nothing(image_spec, td, tmp_path):
+    full = run(image_spec, td, method="has", budget=12, store=RecordStore(tmp_path / "full"))
+    n_real = len(full.real_trials)
+    assert n_real >= 6, "the uninterrupted search should be long enough to kill midway"
+    k = n_real // 2
+    store = RecordStore(tmp_path / "killed")
+    with pytest.raises(Killed):
+        run(image_spec, td, budget=12, store=store, runner=KillAfter(td.AnalyticTestRunner(), k))
+    _, _, before = store.load()
+    assert len([t for t in before if not t.cached]) == k
+    # a torn line from the kill must be dropped, not parsed
+    with store.path.open("a") as f:
+        f.write('{"kind": "trial", "numb')
+    runner = td.AnalyticTestRunner()
+    resumed = run(
+        image_spec, td, budget=12, store=RecordStore(tmp_path / "killed"), resume=True, runner=runner
+    )
+    # nothing lost: the records before the kill are the resumed search's prefix, unchanged
+    assert [t.to_dict() for t in resumed.trials[: len(before)]] == [t.to_dict() for t in before]
+    # nothing repeated: no measured point runs twice, and the runner never re-ran a recorded one
+    real_keys = [t.candidate.key() for t in resumed.trials if not t.cached]
+    assert len(real_keys) == len(set(real_keys))
+    before_keys = {
+        (t.candidate.alloc.label, t.candidate.batch_bound, t.candidate.offload_ratio) for t in before
+    }
+    assert not before_keys & set(runner.log)
+    # and it ends exactly where the uninterrupted search ends
+    assert keys(resumed) == keys(full)
+    assert [t["number"] for t in map(json.loads, store.path.read_text().splitlines()[2:])] == list(
+        range(len(full.trials))
+    )
+
+
+@pytest.mark.parametrize("method", ["random", "coordinate"])
+def test_baselines_resume_by_replay(image_spec, td, tmp_path, method):
+    full = run(image_spec, td, method=method, budget=10)
+    store = RecordStore(tmp_path / method)
+    with pytest.raises(Killed):
+        run(
+            image_spec,
+            td,
+            method=method,
+            budget=10,
+            store=store,
+            runner=KillAfter(td.AnalyticTestRunner(), 4),
+        )
+    resumed = run(image_spec, td, method=method, budget=10, store=RecordStore(tmp_path / method), resume=True)
+    assert keys(resumed) == keys(full)
+
+
+def test_resume_refuses_another_search(image_spec, td, tmp_path):
+    run(image_spec, td, budget=4, store=RecordStore(tmp_path))
+    with pytest.raises(FileExistsError):
+        run(image_spec, td, budget=4, store=RecordStore(tmp_path))
+    with pytest.raises(RecordMismatch, match="seed"):
+        run(image_spec, td, seed=99, budget=4, store=RecordStore(tmp_path), resume=True)
+
+
+def test_failed_trials_are_recorded_not_fatal(image_spec, td):
+    first = run(image_spec, td, budget=6).trials[0].candidate
+    bad = {(first.alloc.label, first.batch_bound, first.offload_ratio)}
+    res = run(image_spec, td, budget=6, runner=td.AnalyticTestRunner(fail_on=bad))
+    assert res.trials[0].state == "failed" and "rollout failed" in res.trials[0].error
+    assert res.best is not None and res.best.candidate != first
+
+
+def test_random_never_repeats_and_covers_the_space(image_spec, td):
+    res = run(image_spec, td, method="random", budget=30)
+    real = [t.candidate.key() for t in res.real_trials]
+    assert len(real) == len(set(real)) and not any(t.cached for t in res.trials)
+
+
+def test_coordinate_moves_one_dimension_at_a_time(image_spec, td):
+    res = run(image_spec, td, method="coordinate", budget=30)
+    cands = [t.candidate for t in res.real_trials]
+    start = cands[0]
+    line = cands[1:5]  # the allocation line: B and s stay at the start's values
+    assert all((c.batch_bound, c.offload_ratio) == (start.batch_bound, start.offload_ratio) for c in line)
+    assert len({c.alloc for c in cands[:5]}) == 5
+
+
+def test_goodput_objective_changes_the_ranking(image_spec, td):
+    res = run(image_spec, td, objective="goodput@moderate", budget=10)
+    assert res.objective == "goodput@moderate"
+    assert res.best.value == res.best.metrics.goodput["moderate"]
