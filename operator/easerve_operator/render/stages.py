@@ -60,12 +60,28 @@ def owner_reference(name: str, uid: str) -> dict[str, Any]:
     }
 
 
+def child_name(name: str, suffix: str) -> str:
+    """A DNS-1035 label (Service names allow no dots) of at most 63 characters, stable per input.
+
+    ``llava-v1.6-34b`` + ``encode`` gives ``llava-v1-6-34b-encode``; over-long names are cut
+    and made unique again with a short hash of the full name.
+    """
+    base = "".join(ch if ch.isalnum() else "-" for ch in name.lower()).strip("-")
+    if not base or not base[0].isalpha():
+        base = f"e-{base}"
+    full = f"{base}-{suffix}"
+    if len(full) <= 63:
+        return full
+    digest = hashlib.sha256(name.encode()).hexdigest()[:6]
+    return f"{base[: 63 - len(suffix) - 8].rstrip('-')}-{digest}-{suffix}"
+
+
 def config_map_name(name: str) -> str:
-    return f"{name}-config"
+    return child_name(name, "config")
 
 
 def stage_name(name: str, stage: str) -> str:
-    return f"{name}-{stage}"
+    return child_name(name, stage)
 
 
 def runtime_config(name: str, namespace: str, spec: EPDDeploymentSpec) -> RuntimeConfig:
@@ -130,9 +146,10 @@ def _container(
         "image": spec.engine.image,
         "command": ["easerve", "worker", "--stage", stage_arg, "--config", CONFIG_PATH],
         "env": _env(config, system_port, extra_env),
-        "ports": ports,
         "volumeMounts": mounts,
     }
+    if ports:
+        c["ports"] = ports
     if any(resources.values()):
         c["resources"] = {k: v for k, v in resources.items() if v}
     if probe_port is not None:
@@ -143,7 +160,7 @@ def _container(
 def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict[str, Any]:
     spec = config.spec
     name = config.name
-    system_port = [{"name": "system", "containerPort": SYSTEM_PORT}]
+    system_port = [{"name": "system", "containerPort": SYSTEM_PORT, "protocol": "TCP"}]
     volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(name)}}]
     containers: list[dict[str, Any]]
     if stage == "encode":
@@ -153,14 +170,14 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
         # through the shared-memory control record in /dev/shm.
         share = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if colocated else []
         containers = [
-            _container(config, "frontend", "frontend", 0, [{"name": "http", "containerPort": HTTP_PORT}], False,
+            _container(config, "frontend", "frontend", 0, [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}], False,
                        probe_port="http", system_port=SYSTEM_PORT + 1),
             _container(config, "encode", "encode", alloc.tensor_parallel, system_port, colocated),
         ]
         if colocated:
             containers.append(
                 _container(config, "local-prefill", "local-prefill", 0,
-                           [{"name": "system-lp", "containerPort": SYSTEM_PORT + 2}], True,
+                           [{"name": "system-lp", "containerPort": SYSTEM_PORT + 2, "protocol": "TCP"}], True,
                            share, probe_port="system-lp", system_port=SYSTEM_PORT + 2)
             )
             pc = _container(config, "partition-controller", "partition-controller", 0, [], True, share, probe_port=None)
@@ -233,9 +250,10 @@ def render_deployment(config: RuntimeConfig, stage: str, owner: dict[str, Any]) 
 
 
 def render_service(config: RuntimeConfig, stage: str, owner: dict[str, Any]) -> dict[str, Any]:
-    ports = [{"name": "system", "port": SYSTEM_PORT, "targetPort": "system"}]
+    # protocol is spelled out: server-side apply on Kubernetes 1.20 rejects ports without it
+    ports = [{"name": "system", "port": SYSTEM_PORT, "targetPort": "system", "protocol": "TCP"}]
     if stage == "encode":
-        ports.insert(0, {"name": "http", "port": HTTP_PORT, "targetPort": "http"})
+        ports.insert(0, {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"})
     return {
         "apiVersion": "v1",
         "kind": "Service",

@@ -1,0 +1,1 @@
+"""The kopf reconciler: handlers (I/O shell) over pure status and drift logic."""

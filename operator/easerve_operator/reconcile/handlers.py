@@ -1,0 +1,297 @@
+"""kopf handlers: the reconcile loop of the EPDDeployment operator.
+
+Shape of the loop:
+
+* The owner handler (create / update of ``spec`` / resume after a restart) validates the spec,
+  renders the children (pure), and applies only those that are missing or drifted. It never
+  writes ``spec``; it writes ``status``.
+* Child events (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
+  re-applied from the owner's spec. Deployment and Pod events refresh the owner's status, so
+  conditions move Progressing -> Ready as pods become ready, with no polling.
+* kopf *indexes* keep an in-memory view of owners, children and unschedulable pods, so the hot
+  path reads memory, not the API server; a restart re-lists them before any handler runs, which
+  is why a resume writes nothing when nothing changed.
+
+kopf keeps its own bookkeeping in ``status.kopf`` rather than in annotations, so the objects a
+GitOps tool compares against Git carry no operator-written metadata.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import kopf
+from easerve_runtime.config import GROUP, PLURAL, VERSION, EPDDeploymentSpec, parse_spec, spec_errors
+from kubernetes.client.exceptions import ApiException
+from pydantic import ValidationError
+
+from easerve_operator.reconcile import metrics
+from easerve_operator.reconcile.drift import drifted
+from easerve_operator.reconcile.kube import Kube
+from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
+from easerve_operator.render import render_children
+
+MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
+OWNER_LABEL = "easerve.io/deployment"
+STAGE_LABEL = "easerve.io/stage"
+CHILD_KINDS = (("", "v1", "configmaps", "ConfigMap"), ("", "v1", "services", "Service"),
+               ("apps", "v1", "deployments", "Deployment"))
+
+
+@dataclass
+class Options:
+    """Set by ``easerve operator`` before kopf starts."""
+
+    webhook: bool = False
+    webhook_host: str = "127.0.0.1"
+    webhook_port: int = 0
+    webhook_cert: str | None = None
+    webhook_key: str | None = None
+    webhook_managed: str = "easerve.io"
+
+
+OPTIONS = Options()
+_kube: Kube | None = None
+_kube_lock = threading.Lock()
+_last_status: dict[tuple[str, str], dict[str, Any]] = {}
+
+
+def kube() -> Kube:
+    global _kube
+    with _kube_lock:
+        if _kube is None:
+            _kube = Kube()
+        return _kube
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# ----------------------------------------------------------------------------------- indexes
+@kopf.index(GROUP, VERSION, PLURAL)
+def owners(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): {
+        "uid": meta.get("uid"),
+        "generation": meta.get("generation"),
+        "deleting": bool(meta.get("deletionTimestamp")),
+        "spec": dict(body.get("spec") or {}),
+        "status": {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
+    }}
+
+
+def _child_index(kind: str):  # type: ignore[no-untyped-def]
+    def index(namespace: str, name: str, body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[Any, Any]:
+        owner = labels.get(OWNER_LABEL)
+        if not owner:
+            return {}
+        return {(namespace, owner): {"kind": kind, "name": name, "body": dict(body)}}
+    return index
+
+
+for _group, _version, _plural, _kind in CHILD_KINDS:
+    kopf.index(_group, _version, _plural, labels=MANAGED, id=f"children_{_plural}")(_child_index(_kind))
+
+
+@kopf.index("", "v1", "pods", labels={OWNER_LABEL: kopf.PRESENT})
+def unschedulable(namespace: str, name: str, labels: kopf.Labels, status: kopf.Status, **_: Any) -> dict[Any, Any]:
+    # An empty mapping (not None) makes kopf drop this pod's earlier entry once it is scheduled.
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+            return {(namespace, labels[OWNER_LABEL]): f"{name}: {cond.get('message', 'Unschedulable')}"}
+    return {}
+
+
+def _one(index: kopf.Index, key: Any) -> Any:
+    store = index.get(key)
+    return next(iter(store), None) if store is not None else None
+
+
+def _children(indexes: dict[str, kopf.Index], key: tuple[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
+    out: dict[tuple[str, str], dict[str, Any]] = {}
+    for _g, _v, plural, _k in CHILD_KINDS:
+        for entry in indexes[f"children_{plural}"].get(key, []):
+            out[(entry["kind"], entry["name"])] = entry["body"]
+    return out
+
+
+def _indexes(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
+    return {f"children_{p}": kwargs[f"children_{p}"] for _g, _v, p, _k in CHILD_KINDS}
+
+
+# ----------------------------------------------------------------------------------- status
+def _observe(desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]]) -> dict[str, StageObservation]:
+    obs: dict[str, StageObservation] = {}
+    for obj in desired:
+        if obj["kind"] != "Deployment":
+            continue
+        stage = obj["metadata"]["labels"][STAGE_LABEL]
+        body = live.get(("Deployment", obj["metadata"]["name"]))
+        obs[stage] = StageObservation.from_deployment(body, int(obj["spec"]["replicas"]))
+        if body is not None and drifted(body, obj):
+            obs[stage] = StageObservation(desired=obs[stage].desired, ready=obs[stage].ready)  # not yet rolled
+    return obs
+
+
+def _write_status(namespace: str, name: str, current: dict[str, Any] | None, status: dict[str, Any],
+                  patch: kopf.Patch | None = None) -> None:
+    key = (namespace, name)
+    if not status_differs(_last_status.get(key) or current, status):
+        return
+    _last_status[key] = status
+    metrics.STATUS_WRITES.inc()
+    if patch is not None:
+        patch.status.update(status)
+    else:
+        kube().patch_status(namespace, name, status)
+
+
+def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
+    try:
+        return parse_spec(spec), []
+    except ValidationError as exc:
+        return None, spec_errors(exc)
+
+
+# ----------------------------------------------------------------------------------- owner
+@kopf.on.resume(GROUP, VERSION, PLURAL)
+@kopf.on.create(GROUP, VERSION, PLURAL)
+@kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
+def reconcile(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch,
+              logger: logging.Logger, unschedulable: kopf.Index, **kwargs: Any) -> None:
+    """Make the children match the spec; report what was done in status."""
+    generation = meta.get("generation")
+    current = {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}
+    prev_conds = current.get("conditions")
+    spec, errors = _parse(dict(body.get("spec") or {}))
+    if spec is None:
+        metrics.RECONCILES.labels(result="invalid").inc()
+        logger.warning("invalid spec, nothing created: %s", "; ".join(errors))
+        st = compute_status(generation=generation, spec=None, errors=errors, stages={},
+                            previous_conditions=prev_conds, now=_now())
+        _write_status(namespace, name, current, st, patch)
+        return
+    desired = render_children(name, namespace, str(meta["uid"]), spec)
+    live = _children(_indexes(kwargs), (namespace, name))
+    apply_error = None
+    for obj in desired:
+        key = (obj["kind"], obj["metadata"]["name"])
+        if not drifted(live.get(key), obj):
+            continue
+        try:
+            live[key] = kube().apply(obj)
+            metrics.CHILD_WRITES.labels(kind=obj["kind"]).inc()
+        except ApiException as exc:
+            apply_error = f"{obj['kind']} {obj['metadata']['name']}: {exc.reason} ({exc.status})"
+            logger.error("apply failed: %s", apply_error)
+    _prune(namespace, desired, live, logger)
+    pending = [m for m in unschedulable.get((namespace, name), [])]
+    st = compute_status(generation=generation, spec=spec, errors=[], stages=_observe(desired, live),
+                        unschedulable=pending, apply_error=apply_error, previous_conditions=prev_conds, now=_now())
+    metrics.RECONCILES.labels(result="error" if apply_error else "ok").inc()
+    _write_status(namespace, name, current, st, patch)
+    if apply_error:
+        raise kopf.TemporaryError(apply_error, delay=10)
+
+
+def _prune(namespace: str, desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]],
+           logger: logging.Logger) -> None:
+    """Delete children we no longer render (e.g. after a mode switch); owner refs cover the rest."""
+    want = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    for kind, cname in [k for k in live if k not in want]:
+        logger.info("deleting stale %s %s", kind, cname)
+        try:
+            kube().delete(kind, namespace, cname)
+        except ApiException as exc:
+            if exc.status != 404:
+                raise
+        live.pop((kind, cname), None)
+
+
+# ----------------------------------------------------------------------------------- children
+def _refresh(namespace: str, owner_name: str, owners: kopf.Index, unschedulable: kopf.Index,
+             kwargs: dict[str, Any], repair: tuple[str, dict[str, Any] | None, str] | None = None) -> None:
+    """Repair one child if needed, then recompute the owner's status from the indexes."""
+    owner = _one(owners, (namespace, owner_name))
+    if owner is None or owner["deleting"]:
+        return
+    spec, errors = _parse(owner["spec"])
+    if spec is None:
+        return  # the owner handler reports InvalidSpec; children of an invalid spec are left alone
+    desired = render_children(owner_name, namespace, str(owner["uid"]), spec)
+    live = _children(_indexes(kwargs), (namespace, owner_name))
+    if repair is not None:
+        kind, body, cname = repair
+        want = next((o for o in desired if o["kind"] == kind and o["metadata"]["name"] == cname), None)
+        if want is not None and drifted(body, want):
+            live[(kind, cname)] = kube().apply(want)
+            metrics.CHILD_WRITES.labels(kind=kind).inc()
+            metrics.REPAIRS.labels(kind=kind).inc()
+    current = owner["status"]
+    if current.get("observedGeneration") != owner["generation"]:
+        return  # the owner handler has not processed this generation yet; it writes status itself
+    pending = list(unschedulable.get((namespace, owner_name), []))
+    st = compute_status(generation=owner["generation"], spec=spec, errors=errors, stages=_observe(desired, live),
+                        unschedulable=pending, previous_conditions=current.get("conditions"), now=_now())
+    _write_status(namespace, owner_name, current, st)
+
+
+def _child_event(kind: str):  # type: ignore[no-untyped-def]
+    def handler(event: dict[str, Any], namespace: str, name: str, body: kopf.Body, labels: kopf.Labels,
+                owners: kopf.Index, unschedulable: kopf.Index, **kwargs: Any) -> None:
+        owner = labels.get(OWNER_LABEL)
+        if not owner:
+            return
+        live = None if event.get("type") == "DELETED" else dict(body)
+        _refresh(namespace, owner, owners, unschedulable, kwargs, repair=(kind, live, name))
+    return handler
+
+
+for _group, _version, _plural, _kind in CHILD_KINDS:
+    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"repair_{_plural}")(_child_event(_kind))
+
+
+@kopf.on.event("", "v1", "pods", labels={OWNER_LABEL: kopf.PRESENT})
+def pod_event(namespace: str, labels: kopf.Labels, owners: kopf.Index, unschedulable: kopf.Index,
+              **kwargs: Any) -> None:
+    _refresh(namespace, labels[OWNER_LABEL], owners, unschedulable, kwargs)
+
+
+# ----------------------------------------------------------------------------------- admission
+def validate(spec: kopf.Spec, **_: Any) -> None:
+    """Refuse an invalid spec at ``kubectl apply`` time, naming each offending field."""
+    _, errors = _parse(dict(spec))
+    if errors:
+        raise kopf.AdmissionError("; ".join(errors), code=422)
+
+
+def enable_webhook(host: str, port: int, cert: str | None, key: str | None) -> None:
+    """Register the validating webhook; kopf refuses admission handlers without a server.
+
+    Only CREATE and UPDATE are validated: an invalid object that got in while the webhook was
+    down must stay deletable. Deletion needs no validation.
+    """
+    OPTIONS.webhook, OPTIONS.webhook_host, OPTIONS.webhook_port = True, host, port
+    OPTIONS.webhook_cert, OPTIONS.webhook_key = cert, key
+    kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-spec", operations=["CREATE", "UPDATE"])(validate)
+
+
+# ----------------------------------------------------------------------------------- settings
+@kopf.on.startup()
+def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
+    settings.persistence.progress_storage = kopf.StatusProgressStorage()
+    settings.persistence.finalizer = "easerve.io/finalizer"
+    settings.posting.level = logging.WARNING  # an Event per success is noise at 200+ objects
+    settings.watching.connect_timeout = 10
+    settings.networking.request_timeout = 30
+    if OPTIONS.webhook:
+        settings.admission.server = kopf.WebhookServer(
+            addr=OPTIONS.webhook_host, host=OPTIONS.webhook_host, port=OPTIONS.webhook_port,
+            certfile=OPTIONS.webhook_cert, pkeyfile=OPTIONS.webhook_key,
+        )
+        settings.admission.managed = OPTIONS.webhook_managed
