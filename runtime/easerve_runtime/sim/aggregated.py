@@ -1,0 +1,177 @@
+"""The vLLM-style aggregated baseline: every GPU group runs encode, prefill and decode itself.
+
+Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
+
+- every iteration decodes one token for every running sequence (continuous batching);
+- waiting requests are admitted FIFO while the iteration's token budget (max_num_batched_tokens,
+  decode tokens included) and KV memory allow; their media are encoded inline, before their
+  prefill, in the same iteration;
+- a mixed iteration costs ``encode + max(prefill(new + running tokens), decode step)``: one fused
+  forward pass streams the weights once, so its time is the larger of its compute-bound prefill
+  part and its bandwidth-bound decode part. That is the generous reading (vLLM's chunked prefill
+  gets close to it); we give the baseline its best case.
+- The vision/audio encoder is sharded over the replica's ``tp`` GPUs (vLLM uses tensor-parallel
+  layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
+
+Requests are spread over replicas by fewest outstanding. The best (tp, replicas) layout for the
+GPU budget is chosen by sweeping (``systems.best_of``), never assumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+from easerve_runtime.policies.router import LeastOutstanding
+from easerve_runtime.sim.events import EventLoop
+from easerve_runtime.sim.latency import StageModel
+from easerve_runtime.sim.stages import DEFAULT_MAX_DECODE_SEQS, DEFAULT_PREFILL_TOKEN_BUDGET, Job
+from easerve_runtime.workload.request import Request
+
+
+class AggregatedReplica:
+    def __init__(
+        self,
+        loop: EventLoop,
+        model: StageModel,
+        tp: int,
+        name: str,
+        token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
+        max_seqs: int = DEFAULT_MAX_DECODE_SEQS,
+    ) -> None:
+        self.loop, self.model, self.tp, self.name = loop, model, tp, name
+        self.token_budget, self.max_seqs = token_budget, max_seqs
+        self.kv_capacity = model.kv_capacity_tokens(tp)
+        self.waiting: deque[Job] = deque()
+        self.finishing: list[tuple[int, int, Job]] = []
+        self.running = 0
+        self.reserved = 0
+        self.ctx_sum = 0
+        self.step = 0
+        self.stepping = False
+        self.outstanding = 0
+        self.busy_s = 0.0
+        self.encode_s = 0.0
+        self.iterations = 0
+        self.items_sum = 0
+        self.tokens_sum = 0
+        self.decoded = 0
+        self._seq = 0
+
+    def arrive(self, job: Job) -> None:
+        self.outstanding += 1
+        self.waiting.append(job)
+        if not self.stepping:
+            self._iterate()
+
+    def _iterate(self) -> None:
+        w = self.waiting
+        new: list[Job] = []
+        tokens = 0
+        items = 0
+        running, reserved = self.running, self.reserved
+        budget = self.token_budget - running
+        while w:
+            j = w[0]
+            need = j.tokens + j.req.output_tokens
+            alone = running == 0 and not new
+            if not alone and (
+                running + len(new) >= self.max_seqs
+                or reserved + need > self.kv_capacity
+                or tokens + j.tokens > budget
+            ):
+                break
+            w.popleft()
+            new.append(j)
+            tokens += j.tokens
+            items += j.req.encoder_items
+            reserved += need
+        n = self.running
+        if not new and n == 0:
+            self.stepping = False
+            return
+        self.stepping = True
+        m = self.model
+        enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
+        if new and n:
+            dt = enc + max(m.prefill_s(tokens + n, self.tp), m.decode_step_s(n, self.ctx_sum / n, self.tp))
+        elif new:
+            dt = enc + m.prefill_s(tokens, self.tp)
+        else:
+            dt = m.decode_step_s(n, self.ctx_sum / n, self.tp)
+        self.reserved = reserved
+        self.items_sum += items
+        self.tokens_sum += tokens
+        self.decoded += n
+        self.busy_s += dt
+        self.encode_s += enc
+        self.iterations += 1
+        self.loop.at(self.loop.now + dt, self._end, new)
+
+    def _end(self, new: list[Job]) -> None:
+        now = self.loop.now
+        self.step += 1
+        self.ctx_sum += self.running
+        f = self.finishing
+        while f and f[0][0] <= self.step:
+            _, _, job = heapq.heappop(f)
+            self._finish(job, now)
+        for job in new:
+            job.rec.first_token_s = now
+            if job.req.output_tokens <= 1:
+                self.reserved -= job.tokens + job.req.output_tokens
+                self.outstanding -= 1
+                job.rec.finish_s = now
+                continue
+            self.running += 1
+            self.ctx_sum += job.tokens + 1
+            self._seq += 1
+            heapq.heappush(f, (self.step + job.req.output_tokens - 1, self._seq, job))
+        self._iterate()
+
+    def _finish(self, job: Job, now: float) -> None:
+        self.running -= 1
+        self.reserved -= job.tokens + job.req.output_tokens
+        self.ctx_sum -= job.tokens + job.req.output_tokens
+        self.outstanding -= 1
+        job.rec.finish_s = now
+
+
+def run_aggregated(
+    requests: Sequence[Request], model: StageModel, tp: int, replicas: int
+) -> tuple[list[Job], dict[str, Any]]:
+    """Replay ``requests`` over ``replicas`` aggregated engines of ``tp`` GPUs each."""
+    if replicas < 1:
+        raise ValueError(f"replicas: must be >= 1, got {replicas}")
+    loop = EventLoop()
+    reps = [AggregatedReplica(loop, model, tp, f"replica-{i}") for i in range(replicas)]
+    picker = LeastOutstanding()
+    names = [r.name for r in reps]
+    by_name = {r.name: r for r in reps}
+    outstanding = {n: 0 for n in names}
+    jobs = [Job(r) for r in requests]
+
+    def arrive(job: Job) -> None:
+        for r in reps:
+            outstanding[r.name] = r.outstanding
+        by_name[picker.pick(names, outstanding)].arrive(job)
+
+    for job in jobs:
+        loop.at(job.req.arrival_s, arrive, job)
+    loop.run()
+    horizon = max((j.rec.finish_s or 0.0) for j in jobs) - min((j.req.arrival_s for j in jobs), default=0.0)
+    busy = sum(r.busy_s for r in reps)
+    stats: dict[str, Any] = {
+        "utilisation": {"replica": (busy / (replicas * horizon)) if horizon > 0 else None},
+        "encode_share_of_busy": (sum(r.encode_s for r in reps) / busy) if busy > 0 else 0.0,
+        "iterations": sum(r.iterations for r in reps),
+        "encoded_items": sum(r.items_sum for r in reps),
+        "prefilled_tokens": sum(r.tokens_sum for r in reps),
+        "decoded_tokens": sum(r.decoded for r in reps),
+        "dispatch_reasons": {},
+        "routed": {},
+        "events": loop.events,
+    }
+    return jobs, stats
