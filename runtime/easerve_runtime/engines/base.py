@@ -17,9 +17,9 @@ tensor type leaking into the transport.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 PART_KINDS = ("image", "audio", "video")
 """Media part kinds a request may carry (text is counted in ``text_tokens``, not a part)."""
@@ -30,14 +30,16 @@ class MediaPart:
     """One decoded media input of a request: an image, an audio clip or a video.
 
     ``data`` holds the raw encoded bytes as received (PNG/JPEG, WAV/MP3, MP4...); real encoders
-    decode them, the sim engine only uses their count and kind. ``frames`` is the number of
-    frames a video part stands for (1 for images and audio) so video costs scale.
+    decode them. ``media`` is the descriptor the frontend read from the headers, in the shape
+    ``easerve_runtime.workload`` uses (``{"height", "width"}`` for images, ``{"frames", ...}`` for
+    video, ``{"audio_s"}`` for audio): the sim engine charges work from it through
+    ``workload.items_tokens``, exactly as the discrete-event twin does for the same request.
     """
 
     kind: str
     data: bytes
     mime: str = ""
-    frames: int = 1
+    media: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,1 @@
+"""The HTTP load client (`easerve bench`) and its report."""

@@ -1,0 +1,118 @@
+"""The HTTP load client: replay a workload open-loop against a chat-completions endpoint.
+
+Open loop (each request is sent at its arrival time whether or not earlier ones finished) is
+what a Poisson workload means; a closed loop would hide queueing. Every request streams (SSE) so
+TTFT and TPOT are measured at the client, and its outcome becomes a
+``workload.RequestRecord``: the twin and this client are scored by the same ``summarize``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from easerve_runtime.bench.payloads import chat_body
+from easerve_runtime.workload.request import Request, RequestRecord
+
+REQUEST_TIMEOUT_S = 600.0
+
+
+@dataclass
+class Outcome:
+    record: RequestRecord
+    expected_tokens: int
+    token_ids: list[int]
+
+
+async def fetch_model(session: aiohttp.ClientSession, url: str) -> str:
+    async with session.get(f"{url}/v1/models") as r:
+        r.raise_for_status()
+        data = await r.json()
+    return str(data["data"][0]["id"])
+
+
+async def one_request(
+    session: aiohttp.ClientSession,
+    url: str,
+    req: Request,
+    model: str,
+    t0: float,
+    body: dict[str, Any] | None = None,
+) -> Outcome:
+    """Send one streaming request; never raises (failures become the record's error)."""
+    sent = time.monotonic() - t0
+    rec = RequestRecord(id=req.id, arrival_s=sent, output_tokens=0)
+    tokens: list[int] = []
+    body = body if body is not None else chat_body(req, model, stream=True)
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+            if r.status != 200:
+                text = await r.text()
+                rec.error = f"HTTP {r.status}: {text[:300]}"
+                return Outcome(rec, req.output_tokens, tokens)
+            async for raw in r.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    rec.error = str(obj["error"].get("message", obj["error"]))
+                    break
+                ext = obj.get("easerve") or {}
+                if "route" in ext:
+                    rec.route = ext["route"]
+                for ch in obj.get("choices", []):
+                    if ch.get("delta", {}).get("content"):
+                        now = time.monotonic() - t0
+                        if rec.first_token_s is None:
+                            rec.first_token_s = now
+                        rec.finish_s = now
+                        tokens.append(int(ext.get("token_id", -1)))
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    rec.output_tokens = len(tokens)
+    if rec.error is None and rec.first_token_s is None:
+        rec.error = "no tokens received"
+    return Outcome(rec, req.output_tokens, tokens)
+
+
+async def run_load(
+    url: str,
+    requests: list[Request],
+    model: str | None = None,
+    on_done: Callable[[Outcome], None] | None = None,
+) -> tuple[list[Outcome], float]:
+    """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration."""
+    url = url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+        if model is None:
+            model = await fetch_model(session, url)
+        # build bodies up front so JSON/base64 work does not delay the arrival schedule
+        bodies = [chat_body(r, model, stream=True) for r in requests]
+        t0 = time.monotonic()
+        tasks: list[asyncio.Task[Outcome]] = []
+
+        async def fire(i: int) -> Outcome:
+            out = await one_request(session, url, requests[i], model, t0, bodies[i])
+            if on_done is not None:
+                on_done(out)
+            return out
+
+        for i, r in enumerate(requests):
+            delay = r.arrival_s - (time.monotonic() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(fire(i)))
+        outcomes = list(await asyncio.gather(*tasks))
+        duration = time.monotonic() - t0
+    return outcomes, duration

@@ -1,0 +1,40 @@
+"""`easerve serve -f FILE`: run an EPDDeployment locally (sim engine, file discovery)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+HELP = "Run an EPDDeployment file locally: frontend + encode/prefill/decode worker processes."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--file", required=True, help="EPDDeployment manifest (YAML).")
+    parser.add_argument("--port", type=int, default=8000, help="Frontend port on 127.0.0.1 (default 8000).")
+    parser.add_argument(
+        "--workdir", default=None, help="Config, discovery dir, logs, processes.json (default: a temp dir)."
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from easerve_runtime.workers.launcher import serve
+
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        return serve(args.file, args.port, args.workdir)
+    except (OSError, ValueError) as exc:
+        print(f"easerve serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="easerve serve", description=HELP)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,150 @@
+"""SimEngine: the engine protocol driven by a measured latency profile, on a machine with no GPU.
+
+Each call awaits the latency that ``profiles.load_profile(spec.engine.profile)`` predicts for the
+batch (so a worker's event loop sees exactly the busy periods a GPU would impose, and queues and
+batches form as they would), then returns deterministic outputs:
+
+- embeddings of the profile's true byte size (``embedding_bytes(tokens)``), so the envelope
+  transfer over Dynamo's TCP request plane costs what it would cost on the wire;
+- tokens derived from a seeded hash of (request seed, position), so two runs of the same
+  workload produce the same text and tests can check it;
+- the KV handoff is charged as ``transfer_s(kv_bytes)`` but not materialised (hundreds of MB
+  per request for a 34B model would only measure this laptop's memcpy).
+
+Two environment knobs exist for fast CPU tests, both documented in docs/runtime.md and both
+default to faithful behaviour:
+
+- ``EASERVE_SIM_SPEEDUP`` (default 1.0) divides every modelled latency;
+- ``EASERVE_SIM_BYTES_SCALE`` (default 1.0) scales the materialised embedding bytes (the shape
+  still reports the true token count).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import math
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.engines.base import (
+    DecodeSequence,
+    Embedding,
+    EncodeInput,
+    MediaPart,
+    PrefillInput,
+    PrefillOutput,
+)
+from easerve_runtime.workload.media import is_anyres, items_tokens
+
+VOCAB_SIZE = 32_000
+EMBED_DTYPE = "bfloat16"
+EMBED_ITEMSIZE = 2
+
+
+def env_float(name: str, default: float) -> float:
+    """A positive float from the environment, with an error that names the variable."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not a number") from None
+    if not v > 0 or math.isinf(v):
+        raise ValueError(f"{name}={raw!r}: must be a positive finite number")
+    return v
+
+
+def token_at(seed: int, position: int) -> int:
+    """The deterministic token at ``position`` of the sequence seeded by ``seed``."""
+    h = hashlib.blake2b(f"{seed}:{position}".encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % VOCAB_SIZE
+
+
+def _filler(request_id: str, n: int) -> bytes:
+    """``n`` deterministic bytes, cheap to make (a 32-byte digest repeated)."""
+    if n <= 0:
+        return b""
+    d = hashlib.blake2b(request_id.encode(), digest_size=32).digest()
+    reps = -(-n // len(d))
+    return (d * reps)[:n]
+
+
+class SimEngine:
+    """Implements EncodeEngine, PrefillEngine and DecodeEngine from a latency profile."""
+
+    def __init__(
+        self,
+        profile: Any,
+        *,
+        anyres: bool = False,
+        speedup: float | None = None,
+        bytes_scale: float | None = None,
+    ) -> None:
+        self.profile = profile
+        self.anyres = anyres
+        self.speedup = env_float("EASERVE_SIM_SPEEDUP", 1.0) if speedup is None else float(speedup)
+        self.bytes_scale = (
+            env_float("EASERVE_SIM_BYTES_SCALE", 1.0) if bytes_scale is None else float(bytes_scale)
+        )
+        if not self.speedup > 0:
+            raise ValueError(f"speedup must be > 0, got {self.speedup}")
+        if not self.bytes_scale > 0:
+            raise ValueError(f"bytes_scale must be > 0, got {self.bytes_scale}")
+
+    @classmethod
+    def for_spec(cls, spec: EPDDeploymentSpec, **kw: Any) -> SimEngine:
+        """The sim engine of a deployment: its profile, and anyres tiling if its model uses it."""
+        from easerve_runtime.profiles import load_profile
+
+        return cls(load_profile(spec.engine.profile), anyres=is_anyres(spec.model.name), **kw)
+
+    async def _wait(self, seconds: float) -> None:
+        if seconds > 0:
+            await asyncio.sleep(seconds / self.speedup)
+
+    # -- sizes ----------------------------------------------------------------------------
+    def part_items_tokens(self, part: MediaPart) -> tuple[int, int]:
+        """(encoder batch slots, embedding rows) of one media part: the twin's own accounting."""
+        return items_tokens(part.kind, dict(part.media), self.anyres)
+
+    def mm_tokens(self, parts: Sequence[MediaPart]) -> int:
+        return sum(self.part_items_tokens(p)[1] for p in parts)
+
+    # -- EncodeEngine ---------------------------------------------------------------------
+    async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]:
+        items = sum(self.part_items_tokens(p)[0] for r in batch for p in r.parts)
+        if items:
+            await self._wait(self.profile.encode_s(items, sm_share))
+        out = []
+        for r in batch:
+            tokens = self.mm_tokens(r.parts)
+            nbytes = int(self.profile.embedding_bytes(tokens)) if tokens else 0
+            hidden = nbytes // (EMBED_ITEMSIZE * tokens) if tokens else 0
+            data = _filler(r.request_id, int(nbytes * self.bytes_scale))
+            out.append(Embedding(r.request_id, data, (tokens, hidden), EMBED_DTYPE))
+        return out
+
+    # -- PrefillEngine --------------------------------------------------------------------
+    async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]:
+        tokens = sum(r.prompt_tokens for r in batch)
+        if tokens:
+            await self._wait(self.profile.prefill_s(tokens, sm_share))
+        return [
+            PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
+            for r in batch
+        ]
+
+    # -- DecodeEngine ---------------------------------------------------------------------
+    async def receive_kv(self, kv_bytes: int) -> None:
+        await self._wait(self.profile.transfer_s(kv_bytes))
+
+    async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
+        if not batch:
+            return []
+        context = sum(s.context_tokens + len(s.generated) for s in batch) / len(batch)
+        await self._wait(self.profile.decode_step_s(len(batch), context))
+        return [token_at(s.seed, len(s.generated)) for s in batch]

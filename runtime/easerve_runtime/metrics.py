@@ -1,0 +1,137 @@
+"""Every Prometheus metric of the runtime, defined once, with stable names (prefix ``easerve_``).
+
+HAS and dashboards query these names, so renaming one is a breaking change: add a new metric
+instead. Each process (frontend, encode, prefill, decode worker) registers all of them in its
+own registry and updates the ones its stage owns; Prometheus adds the pod/stage labels from the
+scrape target. Workers append this registry to Dynamo's system-status ``/metrics`` (port
+``DYN_SYSTEM_PORT``); the frontend serves it on its HTTP port. ``docs/metrics.md`` lists them.
+
+To add a metric: define it in :class:`Metrics` below, document it in ``docs/metrics.md``.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+PREFIX = "easerve"
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0)
+WAIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+BYTES_BUCKETS = tuple(float(2**k) for k in range(10, 34, 2))
+
+STAGES = ("frontend", "encode", "prefill", "local-prefill", "decode")
+
+
+class Metrics:
+    """The metric set of one process, in its own registry (tests can build several)."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        r = self.registry
+        # Requests (frontend)
+        self.requests = Counter(
+            f"{PREFIX}_requests",
+            "Chat completion requests finished, by status (ok|error|rejected).",
+            ["status"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            f"{PREFIX}_ttft_seconds", "Time to first token, seconds.", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            f"{PREFIX}_tpot_seconds",
+            "Mean time per output token after the first, seconds.",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            f"{PREFIX}_e2e_seconds",
+            "End-to-end request latency, seconds.",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.output_tokens = Counter(
+            f"{PREFIX}_output_tokens", "Output tokens streamed to clients.", registry=r
+        )
+        # Encode
+        self.encode_batch_size = Histogram(
+            f"{PREFIX}_encode_batch_size",
+            "Requests per encode micro-batch.",
+            buckets=BATCH_BUCKETS,
+            registry=r,
+        )
+        self.encode_queue_wait = Histogram(
+            f"{PREFIX}_encode_queue_wait_seconds",
+            "Time a request waited in the encode batcher before its batch dispatched.",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.encode_dispatch = Counter(
+            f"{PREFIX}_encode_dispatch",
+            "Encode micro-batch dispatches by reason (full|gap|max-age|timeout|eager).",
+            ["reason"],
+            registry=r,
+        )
+        self.encode_rate = Gauge(
+            f"{PREFIX}_encode_arrival_rate",
+            "The batcher's online arrival-rate estimate (requests/s).",
+            registry=r,
+        )
+        self.encode_seconds = Histogram(
+            f"{PREFIX}_encode_batch_seconds",
+            "Engine time per encode micro-batch.",
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        # Router
+        self.routed = Counter(
+            f"{PREFIX}_router_routed",
+            "Prefill routing decisions by route (remote|local).",
+            ["route"],
+            registry=r,
+        )
+        self.deficit = Gauge(
+            f"{PREFIX}_router_deficit", "The deficit router's accumulator d in [0, 1).", registry=r
+        )
+        # Envelopes
+        self.envelope_bytes = Counter(
+            f"{PREFIX}_envelope_bytes",
+            "Embedding bytes sent in envelopes (payload, before encoding).",
+            registry=r,
+        )
+        self.envelope_sends = Counter(
+            f"{PREFIX}_envelope_sends", "Envelope sends (one per destination per micro-batch).", registry=r
+        )
+        self.envelope_in_flight = Gauge(
+            f"{PREFIX}_envelope_in_flight",
+            "Envelope sends in flight (bounded by the send window).",
+            registry=r,
+        )
+        # Stages
+        self.queue_depth = Gauge(
+            f"{PREFIX}_stage_queue_depth",
+            "Requests waiting for the stage's engine, per stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.inflight = Gauge(
+            f"{PREFIX}_stage_inflight",
+            "Requests accepted and not yet finished, per stage.",
+            ["stage"],
+            registry=r,
+        )
+        self.stage_requests = Counter(
+            f"{PREFIX}_stage_requests",
+            "Requests handled per stage and outcome (ok|error).",
+            ["stage", "status"],
+            registry=r,
+        )
+        self.decode_batch_size = Histogram(
+            f"{PREFIX}_decode_batch_size", "Sequences per decode step.", buckets=BATCH_BUCKETS, registry=r
+        )
+
+    def exposition(self) -> str:
+        """The Prometheus text exposition of this registry."""
+        return generate_latest(self.registry).decode()

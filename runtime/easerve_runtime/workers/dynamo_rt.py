@@ -1,0 +1,127 @@
+"""Dynamo plumbing shared by every stage: environment, runtime, endpoint names, shutdown.
+
+Why a module of its own: the discovery backend, the request-plane limits and the shutdown order
+are the three things that, done wrong, make a Dynamo deployment hang (a lingering discovery key
+sends clients to a dead instance; NATS' 1 MB cap drops image requests). Keeping them here means
+every stage gets them right the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+from easerve_runtime.config import DiscoveryBackend, RuntimeConfig
+
+log = logging.getLogger("easerve.runtime")
+
+TCP_MAX_MESSAGE_SIZE = 512 * 1024 * 1024
+"""Default for DYN_TCP_MAX_MESSAGE_SIZE: one envelope of a 64-image micro-batch for a 34B model
+(64 x 576 x 7168 x 2 bytes = 528 MB before padding) must fit in one request-plane message."""
+
+DEFAULT_FILE_KV = "/tmp/easerve-kv"
+DEFAULT_SYSTEM_PORT = 9090
+
+COMPONENT_ENCODE = "encode"
+COMPONENT_PREFILL = "prefill"
+COMPONENT_DECODE = "decode"
+LOCAL_PREFILL_PREFIX = "local_prefill_"
+ENDPOINT = "generate"
+
+
+def sanitize(key: str) -> str:
+    """Dynamo path segments: letters, digits and underscores only."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", key) or "_"
+
+
+def endpoint_path(namespace: str, component: str) -> str:
+    return f"{namespace}.{component}.{ENDPOINT}"
+
+
+def local_prefill_component(local_key: str) -> str:
+    """The component of the local prefill worker that shares the encode GPU keyed ``local_key``.
+
+    Each encode pod has its own, so the key must be unique per pod: the pod name (which is also
+    its hostname) in Kubernetes, ``e<i>`` under ``easerve serve``.
+    """
+    return LOCAL_PREFILL_PREFIX + sanitize(local_key)
+
+
+def default_local_key() -> str:
+    return os.environ.get("POD_NAME") or os.uname().nodename
+
+
+def dynamo_env(
+    cfg: RuntimeConfig, discovery: str | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
+    """The DYN_* variables this process needs, without overriding what the operator already set.
+
+    ``discovery`` overrides ``spec.discovery.backend`` (``easerve serve`` forces ``file``).
+    """
+    env = dict(os.environ if environ is None else environ)
+    out: dict[str, str] = {}
+    backend = discovery or str(cfg.spec.discovery.backend)
+    if backend not in {b.value for b in DiscoveryBackend} | {"mem"}:
+        raise ValueError(f"spec.discovery.backend: unsupported {backend!r} (etcd, kubernetes or file)")
+    out["DYN_DISCOVERY_BACKEND"] = backend
+    if backend == DiscoveryBackend.FILE and not env.get("DYN_FILE_KV"):
+        out["DYN_FILE_KV"] = str(Path(DEFAULT_FILE_KV) / cfg.dynamo_namespace)
+    if (
+        backend == DiscoveryBackend.ETCD
+        and cfg.spec.discovery.etcd_endpoints
+        and not env.get("ETCD_ENDPOINTS")
+    ):
+        out["ETCD_ENDPOINTS"] = cfg.spec.discovery.etcd_endpoints
+    if backend == DiscoveryBackend.KUBERNETES:
+        missing = [k for k in ("POD_NAME", "POD_NAMESPACE", "POD_UID") if not env.get(k)]
+        if missing:
+            raise ValueError(
+                f"spec.discovery.backend=kubernetes needs {', '.join(missing)} in the environment (downward API)"
+            )
+    out.setdefault("DYN_REQUEST_PLANE", env.get("DYN_REQUEST_PLANE", "tcp"))
+    if not env.get("DYN_TCP_MAX_MESSAGE_SIZE"):
+        out["DYN_TCP_MAX_MESSAGE_SIZE"] = str(TCP_MAX_MESSAGE_SIZE)
+    if not env.get("DYN_LOG"):
+        out["DYN_LOG"] = "error"  # Dynamo logs every routed request at INFO
+    return out
+
+
+def make_runtime(cfg: RuntimeConfig, discovery: str | None = None) -> Any:
+    """Create the DistributedRuntime on the running loop, with the environment set first."""
+    env = dynamo_env(cfg, discovery)
+    os.environ.update(env)  # before the first dynamo import: it reads DYN_* at import time
+    from dynamo.runtime import DistributedRuntime
+
+    if env["DYN_DISCOVERY_BACKEND"] == DiscoveryBackend.FILE:
+        Path(os.environ["DYN_FILE_KV"]).mkdir(parents=True, exist_ok=True)
+    loop = asyncio.get_running_loop()
+    return DistributedRuntime(loop, env["DYN_DISCOVERY_BACKEND"], env["DYN_REQUEST_PLANE"])
+
+
+def install_stop_handlers(on_stop: Callable[[], None]) -> None:
+    """Call ``on_stop`` once on SIGTERM or SIGINT (Kubernetes sends SIGTERM, Ctrl-C sends SIGINT)."""
+    loop = asyncio.get_running_loop()
+    fired = False
+
+    def handler() -> None:
+        nonlocal fired
+        if fired:
+            return
+        fired = True
+        log.info("stop signal: draining in-flight requests")
+        on_stop()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, handler)
+
+
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether a Dynamo call failed before reaching the instance (safe to retry elsewhere)."""
+    msg = str(exc)
+    return "TCP connection" in msg and "failed" in msg or "no instances" in msg.lower()

@@ -1,0 +1,231 @@
+"""The encode worker: micro-batch arrivals, encode, route each request, ship envelopes.
+
+This is the thin asyncio shell around three pure policies (``policies.batcher``,
+``policies.router``, ``policies.envelope``); it owns only the clock and the I/O:
+
+1. ``generate`` (one call per request, from the frontend) queues the request in the batcher and
+   streams back whatever the batch loop delivers for it.
+2. ``run`` polls the batcher whenever the encoder is free and otherwise sleeps until an arrival
+   or the batcher's ``next_wakeup``; while a batch encodes, arrivals simply accumulate.
+3. After encoding, the deficit router sends each request remote (a prefill worker, fewest
+   outstanding first) or local (the prefill worker sharing this GPU); embeddings are grouped per
+   destination into ONE envelope each, and a send window caps envelopes in flight, so a slow
+   prefill pool pushes back on the encoder instead of piling up memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+
+from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.engines.base import Embedding, EncodeEngine, EncodeInput, MediaPart
+from easerve_runtime.metrics import Metrics
+from easerve_runtime.policies.batcher import Dispatch, make_batcher
+from easerve_runtime.policies.envelope import SendWindow, build_envelopes
+from easerve_runtime.policies.router import DeficitRouter, Route
+from easerve_runtime.workers.pool import Pool, StageError
+from easerve_runtime.workers.streams import Streams
+from easerve_runtime.workers.wire import b64e, part_from_wire, request_meta
+
+log = logging.getLogger("easerve.encode")
+
+SEND_WINDOW = 8
+"""Envelopes in flight per encode worker before the encoder waits (no spec field yet)."""
+
+LOCAL = "local"
+
+
+def embedding_array(emb: Embedding) -> np.ndarray[Any, Any]:
+    """The embedding as an array for the envelope: its logical shape when the bytes match it."""
+    n = 1
+    for x in emb.shape:
+        n *= x
+    if len(emb.data) == n * 2 and emb.shape:
+        return np.frombuffer(emb.data, dtype=np.uint16).reshape(emb.shape)  # bf16 carried as raw 2 bytes
+    return np.frombuffer(emb.data, dtype=np.uint8)
+
+
+class EncodeWorker:
+    stage = "encode"
+
+    def __init__(
+        self,
+        spec: EPDDeploymentSpec,
+        engine: EncodeEngine,
+        metrics: Metrics,
+        remote: Pool | None,
+        local: Pool | None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        send_window: int = SEND_WINDOW,
+        sm_share: Callable[[int], float] | None = None,
+    ) -> None:
+        s = spec.offload.ratio
+        if s > 0 and remote is None:
+            raise ValueError(f"spec.offload.ratio is {s} but this encode worker has no remote prefill pool")
+        if s < 1 and local is None:
+            raise ValueError(f"spec.offload.ratio is {s} but this encode worker has no local prefill worker")
+        self.spec = spec
+        self.engine = engine
+        self.metrics = metrics
+        self.remote = remote
+        self.local = local
+        self.clock = clock
+        self.batcher = make_batcher(spec.encode)
+        self.router = DeficitRouter(s)
+        self.window = SendWindow(send_window)
+        self.sm_share = sm_share or (lambda batch: 1.0)
+        self.streams = Streams()
+        self._arrival = asyncio.Event()
+        self._window_free = asyncio.Event()
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    # -- per-request handler (Dynamo endpoint) ----------------------------------------------
+    async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        rid = str(request["id"])
+        try:
+            self.streams.open(rid)
+            parts = [part_from_wire(p) for p in request.get("parts", [])]
+        except (KeyError, ValueError, TypeError) as exc:
+            yield {"error": f"encode: bad request {rid}: {exc}"}
+            return
+        now = self.clock()
+        self.batcher.on_arrival((request, parts, now), now)
+        self.metrics.queue_depth.labels(self.stage).set(self.batcher.pending)
+        self.metrics.inflight.labels(self.stage).set(len(self.streams))
+        self._arrival.set()
+        async for item in self.streams.drain(rid):
+            yield item
+        self.metrics.inflight.labels(self.stage).set(len(self.streams))
+
+    # -- batch loop ---------------------------------------------------------------------------
+    async def run(self) -> None:
+        while True:
+            now = self.clock()
+            d = self.batcher.poll(now)
+            if d is None:
+                wake = self.batcher.next_wakeup(now)
+                self._arrival.clear()
+                timeout = None if wake is None else max(0.0, wake - now)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._arrival.wait(), timeout)
+                continue
+            try:
+                await self._run_batch(d)
+            except Exception as exc:  # keep serving; fail only this batch's requests
+                log.exception("encode batch failed")
+                for req, _parts, _t in d.items:
+                    self._fail(str(req["id"]), f"encode failed: {exc}")
+
+    def _fail(self, rid: str, message: str) -> None:
+        self.streams.put(rid, {"error": message})
+        self.streams.close(rid)
+
+    async def _run_batch(self, d: Dispatch[Any]) -> None:
+        m = self.metrics
+        m.encode_dispatch.labels(str(d.reason)).inc()
+        m.encode_batch_size.observe(len(d.items))
+        m.encode_rate.set(self.batcher.rate_estimate if self.batcher.rate_estimate != float("inf") else 0.0)
+        m.queue_depth.labels(self.stage).set(self.batcher.pending)
+        for _req, _parts, t in d.items:
+            m.encode_queue_wait.observe(max(0.0, d.at - t))
+        inputs = [
+            EncodeInput(str(req["id"]), tuple[MediaPart, ...](parts), int(req.get("seed", 0)))
+            for req, parts, _t in d.items
+        ]
+        t0 = self.clock()
+        embs = await self.engine.encode(inputs, self.sm_share(len(inputs)))
+        m.encode_seconds.observe(self.clock() - t0)
+        entries: list[tuple[str, Any, Any]] = []
+        metas: dict[Any, list[dict[str, Any]]] = {}
+        assigned: dict[int, int] = {}
+        for (req, _parts, _t), emb in zip(d.items, embs, strict=True):
+            route = self.router.decide()
+            m.routed.labels(str(route)).inc()
+            dest: Any
+            if route == Route.REMOTE:
+                assert self.remote is not None
+                load = dict(self.remote.outstanding)
+                for k, v in assigned.items():
+                    load[k] = load.get(k, 0) + v
+                try:
+                    ids = self.remote.instances()
+                    dest = self.remote._picker.pick(ids, load) if ids else None
+                except ValueError:
+                    dest = None
+                if dest is None:
+                    self._fail(str(req["id"]), "no live prefill instance")
+                    continue
+                assigned[dest] = assigned.get(dest, 0) + 1
+            else:
+                dest = LOCAL
+            entries.append((str(req["id"]), dest, embedding_array(emb)))
+            metas.setdefault(dest, []).append(request_meta(req, emb.tokens) | {"route": str(route)})
+        m.deficit.set(self.router.deficit)
+        for dest, env in build_envelopes(entries).items():
+            while not self.window.try_acquire():
+                self._window_free.clear()
+                await self._window_free.wait()
+            m.envelope_in_flight.set(self.window.in_flight)
+            m.envelope_sends.inc()
+            m.envelope_bytes.inc(env.nbytes)
+            buffer, index = env.pack()
+            msg = {"buffer": b64e(buffer), "index": index, "requests": metas[dest]}
+            task = asyncio.create_task(self._send(dest, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    def _release(self) -> None:
+        self.window.release()
+        self.metrics.envelope_in_flight.set(self.window.in_flight)
+        self._window_free.set()
+
+    async def _send(self, dest: Any, msg: dict[str, Any]) -> None:
+        reqs = {r["id"]: r for r in msg["requests"]}
+        pending = set(reqs)
+        released = False
+        pool = self.local if dest == LOCAL else self.remote
+        assert pool is not None
+        try:
+            async for item in pool.stream(msg, instance=None if dest == LOCAL else dest, weight=len(reqs)):
+                if item.get("ack"):
+                    if not released:
+                        released = True
+                        self._release()
+                    continue
+                rid = item.get("id")
+                if rid not in pending:
+                    continue
+                if "token" in item:
+                    self.streams.put(rid, {"token": item["token"]})
+                elif item.get("done"):
+                    r = reqs[rid]
+                    self.streams.put(
+                        rid,
+                        {
+                            "done": True,
+                            "route": r["route"],
+                            "prompt_tokens": r["text_tokens"] + r["mm_tokens"],
+                        },
+                    )
+                    self.streams.close(rid)
+                    pending.discard(rid)
+                elif "error" in item:
+                    self._fail(rid, str(item["error"]))
+                    pending.discard(rid)
+        except StageError as exc:
+            for rid in pending:
+                self._fail(rid, str(exc))
+            pending.clear()
+        finally:
+            if not released:
+                self._release()
+            for rid in pending:
+                self._fail(rid, "prefill stream ended before the request finished")

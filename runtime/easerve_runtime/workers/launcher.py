@@ -1,0 +1,265 @@
+"""`easerve serve`: one EPDDeployment as local processes (sim engine, file discovery).
+
+One process per worker, exactly as the pods would run them (``easerve worker --stage ...``):
+per encode replica an encode worker, plus its local prefill worker when ``offload.ratio < 1``;
+the prefill and decode replicas; then the frontend. Every process gets its own Dynamo system
+port, and all share one file-discovery directory under the work dir, so two ``serve`` runs on a
+host never see each other's workers.
+
+The launcher writes ``<workdir>/processes.json`` (stage, index, pid, ports) so tests and
+operators can find a given worker (e.g. to kill one), logs the URL once every process is healthy,
+and on SIGINT/SIGTERM stops the frontend first (it drains accepted requests), then the workers.
+A worker that dies is reported and not restarted: the rest keep serving.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from easerve_runtime.config import DeploymentMode, EPDDeploymentSpec, RuntimeConfig, dynamo_namespace
+
+log = logging.getLogger("easerve.serve")
+
+READY_TIMEOUT_S = 60.0
+STOP_GRACE_S = 30.0
+
+
+@dataclass
+class Proc:
+    stage: str
+    index: int
+    system_port: int
+    http_port: int | None = None
+    pid: int = 0
+    log_path: str = ""
+
+
+def free_port(lo: int = 20000, hi: int = 32767) -> int:
+    """A free TCP port on 127.0.0.1 in [lo, hi].
+
+    Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer, so ephemeral ports (>= 32768) are
+    rejected; we probe random ports below that instead of asking the kernel for one.
+    """
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randint(lo, hi)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in [{lo}, {hi}]")
+
+
+def plan(spec: EPDDeploymentSpec, http_port: int) -> list[Proc]:
+    """The processes of a deployment, workers first and the frontend last."""
+    if spec.mode != DeploymentMode.DISAGGREGATED:
+        raise ValueError(f"spec.mode: easerve serve runs disaggregated deployments, not {spec.mode}")
+    a = spec.allocation
+    procs: list[Proc] = []
+    for i in range(a.decode.replicas):
+        procs.append(Proc("decode", i, free_port()))
+    if spec.offload.ratio > 0:
+        for i in range(a.prefill.replicas):
+            procs.append(Proc("prefill", i, free_port()))
+    for i in range(a.encode.replicas):
+        if spec.has_local_prefill:
+            procs.append(Proc("local-prefill", i, free_port()))
+        procs.append(Proc("encode", i, free_port()))
+    procs.append(Proc("frontend", 0, free_port(), http_port))
+    return procs
+
+
+class Launcher:
+    def __init__(
+        self, name: str, spec: EPDDeploymentSpec, port: int, workdir: Path, env: dict[str, str] | None = None
+    ) -> None:
+        self.name = name
+        self.spec = spec
+        self.port = port
+        self.workdir = workdir
+        self.extra_env = env or {}
+        self.procs = plan(spec, port)
+        self.popen: dict[int, subprocess.Popen[bytes]] = {}
+        tag = f"{os.getpid()}_{int(time.time())}"
+        self.cfg = RuntimeConfig(
+            name=name,
+            namespace="local",
+            dynamo_namespace=dynamo_namespace("local", f"{name}-{tag}"),
+            spec=spec,
+        )
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        cfg_path = self.workdir / "config.json"
+        cfg_path.write_text(self.cfg.to_json())
+        kv = self.workdir / "kv"
+        kv.mkdir(exist_ok=True)
+        for i, p in enumerate(self.procs):
+            env = dict(os.environ)
+            env.update(
+                {
+                    "DYN_DISCOVERY_BACKEND": "file",
+                    "DYN_FILE_KV": str(kv),
+                    "DYN_TCP_RPC_HOST": "127.0.0.1",
+                    "DYN_SYSTEM_HOST": "127.0.0.1",
+                    "DYN_SYSTEM_PORT": str(p.system_port),
+                    "PYTHONUNBUFFERED": "1",
+                }
+            )
+            env.update(self.extra_env)
+            cmd = [
+                sys.executable,
+                "-m",
+                "easerve_runtime.cli.worker",
+                "--stage",
+                p.stage,
+                "--config",
+                str(cfg_path),
+            ]
+            cmd += ["--discovery", "file", "--local-key", f"e{p.index}"]
+            if p.stage == "frontend":
+                cmd += ["--host", "127.0.0.1", "--port", str(p.http_port)]
+            p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
+            with open(p.log_path, "wb") as logf:
+                proc = subprocess.Popen(
+                    cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            p.pid = proc.pid
+            self.popen[i] = proc
+        (self.workdir / "processes.json").write_text(
+            json.dumps({"url": self.url, "processes": [asdict(p) for p in self.procs]}, indent=1)
+        )
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _healthy(self, p: Proc) -> bool:
+        port = p.http_port if p.stage == "frontend" else p.system_port
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0) as r:
+                return bool(r.status == 200)
+        except (urllib.error.URLError, OSError, ValueError):
+            return False
+
+    def wait_ready(self, timeout: float = READY_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        waiting = list(range(len(self.procs)))
+        while waiting:
+            for i in list(waiting):
+                rc = self.popen[i].poll()
+                if rc is not None:
+                    p = self.procs[i]
+                    tail = Path(p.log_path).read_text(errors="replace")[-2000:]
+                    raise RuntimeError(f"{p.stage}-{p.index} exited with {rc} while starting:\n{tail}")
+                if self._healthy(self.procs[i]):
+                    waiting.remove(i)
+            if not waiting:
+                break
+            if time.monotonic() > deadline:
+                names = ", ".join(f"{self.procs[i].stage}-{self.procs[i].index}" for i in waiting)
+                raise TimeoutError(f"not healthy after {timeout:.0f}s: {names} (logs in {self.workdir})")
+            time.sleep(0.2)
+
+    def poll_dead(self, reported: set[int]) -> None:
+        for i, proc in self.popen.items():
+            if i not in reported and proc.poll() is not None:
+                reported.add(i)
+                p = self.procs[i]
+                log.warning(
+                    "%s-%d (pid %d) exited with %s; log: %s",
+                    p.stage,
+                    p.index,
+                    p.pid,
+                    proc.returncode,
+                    p.log_path,
+                )
+
+    def _signal(self, idx: list[int], sig: int) -> None:
+        for i in idx:
+            proc = self.popen[i]
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(sig)
+
+    def _wait(self, idx: list[int], timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        left = [i for i in idx if self.popen[i].poll() is None]
+        while left and time.monotonic() < deadline:
+            time.sleep(0.05)
+            left = [i for i in left if self.popen[i].poll() is None]
+        return left
+
+    def stop(self, grace: float = STOP_GRACE_S) -> None:
+        """Frontend first (it drains accepted requests through the workers), then the workers."""
+        fe = [i for i, p in enumerate(self.procs) if p.stage == "frontend"]
+        workers = [i for i, p in enumerate(self.procs) if p.stage != "frontend"]
+        self._signal(fe, signal.SIGTERM)
+        self._wait(fe, grace)
+        order = ["encode", "local-prefill", "prefill", "decode"]  # upstream first, each drains into the next
+        for stage in order:
+            idx = [i for i in workers if self.procs[i].stage == stage]
+            self._signal(idx, signal.SIGTERM)
+            self._wait(idx, grace)
+        stragglers = [i for i in self.popen if self.popen[i].poll() is None]
+        self._signal(stragglers, signal.SIGKILL)
+        self._wait(stragglers, 5.0)
+
+
+def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] | None = None) -> int:
+    from easerve_runtime.config import load_manifest
+
+    name, spec = load_manifest(path)
+    wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"easerve-{name}-"))
+    launcher = Launcher(name, spec, port, wd, env)
+    stopping = False
+
+    def on_signal(signum: int, frame: Any) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    launcher.start()
+    try:
+        launcher.wait_ready()
+    except (RuntimeError, TimeoutError) as exc:
+        log.error("%s", exc)
+        launcher.stop(grace=5.0)
+        return 1
+    log.info(
+        "EAServe %s (%s, %s) serving at %s/v1/chat/completions (workdir %s)",
+        name,
+        spec.served_model_name,
+        spec.allocation.label(),
+        launcher.url,
+        wd,
+    )
+    reported: set[int] = set()
+    while not stopping:
+        launcher.poll_dead(reported)
+        if len(reported) == len(launcher.procs):
+            log.error("every process exited")
+            return 1
+        time.sleep(0.2)
+    log.info("stopping: draining the frontend, then the workers")
+    launcher.stop()
+    log.info("stopped")
+    return 0

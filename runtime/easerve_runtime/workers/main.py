@@ -1,0 +1,183 @@
+"""Run ONE stage process: what a pod container runs (``easerve worker --stage S --config F``).
+
+Order of operations matters for correctness, not style:
+
+- start: create the runtime, build the engine and the downstream pools, start the batch loop,
+  register the endpoint, and only then ``set_health_status(True)`` (Kubernetes readiness);
+- stop (SIGTERM/SIGINT): ``runtime.shutdown()`` withdraws the discovery key first (so no client
+  picks this instance any more), Dynamo then waits for in-flight handlers (graceful shutdown),
+  and our batch loop keeps running until they are done; only then does the process exit.
+  The frontend instead stops accepting HTTP connections, waits for in-flight requests, and then
+  shuts its runtime down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from easerve_runtime.config import Backend, EPDDeploymentSpec, RuntimeConfig
+from easerve_runtime.metrics import Metrics
+from easerve_runtime.workers.dynamo_rt import (
+    COMPONENT_DECODE,
+    COMPONENT_ENCODE,
+    COMPONENT_PREFILL,
+    DEFAULT_SYSTEM_PORT,
+    default_local_key,
+    endpoint_path,
+    install_stop_handlers,
+    local_prefill_component,
+    make_runtime,
+)
+from easerve_runtime.workers.pool import Pool
+
+log = logging.getLogger("easerve.worker")
+
+STAGES = ("encode", "prefill", "decode", "frontend", "local-prefill")
+DRAIN_TIMEOUT_S = 60.0
+
+
+def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
+    """The engine for this stage, by ``spec.engine.backend``."""
+    backend = str(spec.engine.backend)
+    if backend == Backend.SIM:
+        from easerve_runtime.engines.sim import SimEngine
+
+        return SimEngine.for_spec(spec)
+    if backend == Backend.TORCH:
+        from easerve_runtime.engines.torch import make_torch_engine
+
+        return make_torch_engine(spec)
+    raise ValueError(f"spec.engine.backend: {backend!r} is not supported by the runtime yet (use sim)")
+
+
+async def run_stage(
+    stage: str,
+    cfg: RuntimeConfig,
+    *,
+    host: str = "0.0.0.0",
+    port: int = 8000,
+    local_key: str | None = None,
+    discovery: str | None = None,
+) -> int:
+    if stage not in STAGES:
+        raise ValueError(f"--stage: unknown stage {stage!r} (one of {', '.join(STAGES)})")
+    if stage != "frontend":
+        os.environ.setdefault("DYN_SYSTEM_PORT", str(DEFAULT_SYSTEM_PORT))
+    runtime = make_runtime(cfg, discovery)
+    stop = asyncio.Event()
+    install_stop_handlers(stop.set)
+    metrics = Metrics()
+    ns = cfg.dynamo_namespace
+    spec = cfg.spec
+    key = local_key or default_local_key()
+
+    async def pool(component: str, name: str) -> Pool:
+        client = await runtime.endpoint(endpoint_path(ns, component)).client()
+        return Pool(client, name)
+
+    if stage == "frontend":
+        return await _run_frontend(
+            cfg, runtime, await pool(COMPONENT_ENCODE, "encode"), metrics, stop, host, port
+        )
+
+    engine = make_engine(spec, stage)
+    worker: Any
+    if stage == "decode":
+        from easerve_runtime.workers.decode import DecodeWorker
+
+        component = COMPONENT_DECODE
+        worker = DecodeWorker(engine, metrics)
+    elif stage in ("prefill", "local-prefill"):
+        from easerve_runtime.workers.prefill import PrefillWorker
+
+        component = COMPONENT_PREFILL if stage == "prefill" else local_prefill_component(key)
+        worker = PrefillWorker(engine, metrics, await pool(COMPONENT_DECODE, "decode"), stage=stage)
+    else:
+        from easerve_runtime.workers.encode import EncodeWorker
+
+        s = spec.offload.ratio
+        remote = await pool(COMPONENT_PREFILL, "prefill") if s > 0 else None
+        local = await pool(local_prefill_component(key), "local prefill") if s < 1 else None
+        component = COMPONENT_ENCODE
+        worker = EncodeWorker(spec, engine, metrics, remote, local)
+
+    endpoint = runtime.endpoint(endpoint_path(ns, component))
+    endpoint.metrics.register_prometheus_expfmt_callback(metrics.exposition)
+    loop_task = asyncio.create_task(worker.run(), name=f"{stage}-loop")
+    serve_task = asyncio.ensure_future(endpoint.serve_endpoint(worker.generate, graceful_shutdown=True))
+    runtime.set_health_status(True)
+    log.info("%s worker serving %s", stage, endpoint_path(ns, component))
+    stop_task = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait({serve_task, loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    rc = 0
+    if loop_task in done and loop_task.exception() is not None:
+        log.error("%s batch loop died: %r", stage, loop_task.exception())
+        rc = 1
+    runtime.set_health_status(False)
+    runtime.shutdown()  # withdraw discovery, then Dynamo drains in-flight handlers
+    try:
+        await asyncio.wait_for(serve_task, DRAIN_TIMEOUT_S)
+    except (TimeoutError, Exception) as exc:  # noqa: BLE001 - report and exit either way
+        if not isinstance(exc, asyncio.CancelledError):
+            log.warning("%s: drain ended with %r", stage, exc)
+    for t in (loop_task, stop_task):
+        t.cancel()
+    return rc
+
+
+async def _run_frontend(
+    cfg: RuntimeConfig,
+    runtime: Any,
+    encode: Pool,
+    metrics: Metrics,
+    stop: asyncio.Event,
+    host: str,
+    port: int,
+) -> int:
+    from aiohttp import web
+
+    from easerve_runtime.workers.frontend import Frontend
+
+    fe = Frontend(cfg, encode, metrics)
+    runner = web.AppRunner(fe.app(), handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port)
+    await site.start()
+    runtime.set_health_status(True)
+    log.info("frontend listening on http://%s:%d", host, port)
+    await stop.wait()
+    fe.draining = True
+    await site.stop()  # no new connections; in-flight handlers continue
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    while fe.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await runner.cleanup()
+    runtime.shutdown()
+    return 0
+
+
+def run(stage: str, config_path: str, **kw: Any) -> int:
+    """Load the ConfigMap JSON and run the stage until stopped."""
+    from pydantic import ValidationError
+
+    from easerve_runtime.config import spec_errors
+
+    try:
+        with open(config_path) as f:
+            cfg = RuntimeConfig.from_json(f.read())
+    except OSError as exc:
+        raise SystemExit(f"--config {config_path}: {exc.strerror}") from None
+    except ValidationError as exc:
+        lines = "\n  ".join(spec_errors(exc, prefix="config"))
+        raise SystemExit(f"--config {config_path}: invalid runtime config:\n  {lines}") from None
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:  # pragma: no cover - uvloop ships with ai-dynamo-runtime
+        pass
+    return asyncio.run(run_stage(stage, cfg, **kw))

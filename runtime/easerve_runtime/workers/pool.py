@@ -1,0 +1,108 @@
+"""A pool of instances of one Dynamo endpoint, picked by fewest outstanding requests.
+
+Dynamo's client offers round-robin and random; the issue asks for the least-loaded instance
+(``policies.router.LeastOutstanding``, ties rotating), so we count outstanding requests per
+instance here and call ``client.direct``. Two failure cases matter:
+
+- the instance is gone before the call reaches it (``Unavailable: TCP connection ... failed``):
+  nothing was processed, so we quarantine it and retry on another instance. With the ``file``
+  discovery backend a SIGKILLed worker's key lingers, so without this every ``n``-th request
+  would fail until it expires;
+- the stream breaks after items arrived: the request was partly served and cannot be replayed
+  silently; the caller gets :class:`StageError` and reports it to its client.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from easerve_runtime.policies.router import LeastOutstanding
+from easerve_runtime.workers.dynamo_rt import is_unavailable
+
+QUARANTINE_S = 30.0
+MAX_ATTEMPTS = 3
+
+
+class StageError(RuntimeError):
+    """A downstream stage failed for this request; ``retryable`` if nothing was processed."""
+
+    def __init__(self, message: str, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+class Pool:
+    """Instances of one endpoint; ``stream(request)`` sends to the least-loaded live one."""
+
+    def __init__(self, client: Any, name: str, clock: Any = time.monotonic) -> None:
+        self.client = client
+        self.name = name
+        self.clock = clock
+        self.outstanding: dict[int, int] = {}
+        self._quarantine: dict[int, float] = {}
+        self._picker = LeastOutstanding()
+
+    def instances(self) -> list[int]:
+        """Live instance ids, quarantined ones excluded."""
+        now = self.clock()
+        ids = list(self.client.instance_ids())
+        if self._quarantine:
+            for iid, until in list(self._quarantine.items()):
+                if until <= now or iid not in ids:
+                    del self._quarantine[iid]
+            ids = [i for i in ids if i not in self._quarantine]
+        return ids
+
+    def quarantine(self, iid: int) -> None:
+        self._quarantine[iid] = self.clock() + QUARANTINE_S
+
+    def pick(self, exclude: set[int] | None = None) -> int:
+        ids = [i for i in self.instances() if not exclude or i not in exclude]
+        if not ids:
+            raise StageError(f"no live {self.name} instance", retryable=True)
+        return self._picker.pick(ids, self.outstanding)
+
+    @property
+    def total_outstanding(self) -> int:
+        return sum(self.outstanding.values())
+
+    async def stream(self, request: Any, instance: int | None = None, weight: int = 1) -> AsyncIterator[Any]:
+        """Yield the response items of ``request`` from ``instance`` or the least-loaded live one.
+
+        ``weight`` is how many requests the message carries (an envelope carries several), so
+        "outstanding" counts requests, not messages. Retries on another instance only while
+        nothing has been received; raises StageError.
+        """
+        tried: set[int] = set()
+        for _attempt in range(MAX_ATTEMPTS):
+            if instance is not None and instance in self.instances() and instance not in tried:
+                iid = instance
+            else:
+                iid = self.pick(tried)
+            tried.add(iid)
+            self.outstanding[iid] = self.outstanding.get(iid, 0) + weight
+            received = False
+            try:
+                try:
+                    stream = await self.client.direct(request, iid, annotated=False)
+                    async for item in stream:
+                        received = True
+                        yield item
+                    return
+                except StageError:
+                    raise
+                except Exception as exc:
+                    if is_unavailable(exc):
+                        self.quarantine(iid)
+                        if not received:
+                            continue
+                    raise StageError(f"{self.name} instance {iid:x} failed: {exc}") from exc
+            finally:
+                n = self.outstanding.get(iid, weight) - weight
+                if n > 0:
+                    self.outstanding[iid] = n
+                else:
+                    self.outstanding.pop(iid, None)
+        raise StageError(f"no reachable {self.name} instance after {MAX_ATTEMPTS} attempts", retryable=True)

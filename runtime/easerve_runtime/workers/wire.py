@@ -1,0 +1,65 @@
+"""The messages stages exchange over Dynamo's request plane (JSON objects), in one place.
+
+Frontend -> encode (``<ns>.encode.generate``), one request::
+
+    {"id", "seed", "text_tokens", "max_tokens", "priority",
+     "parts": [{"kind", "mime", "media": {...}, "b64"}]}
+
+  streams back ``{"token": int}`` items, then ``{"done": true, "route", "prompt_tokens"}``, or
+  ``{"error": str}`` at any point.
+
+Encode -> prefill (``<ns>.prefill.generate`` or the pod's ``<ns>.local_prefill_<key>.generate``),
+one ENVELOPE per destination per micro-batch::
+
+    {"buffer": base64, "index": [IndexEntry.wire()...],
+     "requests": [{"id", "seed", "text_tokens", "mm_tokens", "max_tokens", "priority"}]}
+
+  streams back ``{"ack": true}`` once unpacked (this frees the sender's window slot), then per
+  request ``{"id", "token"}``..., ``{"id", "done": true}`` or ``{"id", "error"}``, multiplexed.
+
+Prefill -> decode (``<ns>.decode.generate``), one request after prefill::
+
+    {"id", "seed", "context_tokens", "max_tokens", "first_token", "kv_bytes", "priority"}
+
+  streams back ``{"token": int}`` for tokens 2..max_tokens (the first came from prefill).
+
+Tokens travel as integer ids; the frontend renders them to text. Binary data is base64 because
+the request plane carries JSON-like objects.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+from easerve_runtime.engines.base import MediaPart
+
+
+def b64e(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def b64d(text: str) -> bytes:
+    return base64.b64decode(text)
+
+
+def part_to_wire(part: MediaPart) -> dict[str, Any]:
+    return {"kind": part.kind, "mime": part.mime, "media": dict(part.media), "b64": b64e(part.data)}
+
+
+def part_from_wire(d: dict[str, Any]) -> MediaPart:
+    return MediaPart(
+        kind=str(d["kind"]), data=b64d(d.get("b64", "")), mime=str(d.get("mime", "")), media=d["media"]
+    )
+
+
+def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
+    """The per-request part of an envelope (everything but the media)."""
+    return {
+        "id": req["id"],
+        "seed": int(req.get("seed", 0)),
+        "text_tokens": int(req["text_tokens"]),
+        "mm_tokens": int(mm_tokens),
+        "max_tokens": int(req["max_tokens"]),
+        "priority": int(req.get("priority", 0)),
+    }
