@@ -1,0 +1,1 @@
+"""Profile data (JSON): a package so that setuptools ships the *.json files in wheels and images."""

@@ -1,0 +1,209 @@
+"""``Profile``: latency and size model of one (model, GPU) pair, derived from H200 measurements.
+
+How each cost is modelled (details and every number's source: docs/profiles.md):
+
+- **Encode** (compute-bound at useful batch sizes): the H200 curve of GPU work vs batch, scaled
+  by the peak-FLOP ratio H200/GPU and by the SM-share multiplier from the measured CLIP knee
+  table; an eager encoder additionally pays a host floor (kernel-launch bound, CPU-side, so it
+  does not scale with the GPU): ``max(floor, gpu_work + overhead)``.
+- **Prefill** (compute-bound): FLOPs (2·params·tokens + causal attention) over the GPU's peak
+  times the efficiency measured on the H200 for that many tokens, split over TP ranks, plus two
+  ring all-reduces per layer on the GPU's link; never below the time to stream the weights once.
+- **Decode step** (bandwidth-bound): a per-layer floor (small kernels) + weights/TP over HBM +
+  KV bytes/TP over HBM (both with efficiencies fitted on the H200) + a batch-dependent extra
+  (fitted on the 34B/H200 sweep and scaled by FLOPs) + all-reduces.
+- **Transfers**: a fixed setup per transfer + bytes over the link's achievable bandwidth.
+
+All methods are plain float arithmetic (no pydantic, no numpy) so the twin can call them
+millions of times; ``encode_s`` is memoised since its arguments take few distinct values.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from easerve_runtime.profiles.calibration import REF_GPU, Calibration, EncoderCalib
+from easerve_runtime.profiles.hardware import BYTES_BF16, GPU, Backbone, gpu
+
+TP_CHOICES = (1, 2, 4, 8)
+USABLE_MEMORY_FRACTION = 0.90
+"""Share of device memory a serving engine may use (vLLM's default gpu_memory_utilization)."""
+ACTIVATION_RESERVE_BYTES = 2 * 1024**3
+"""Per GPU: activations, CUDA graphs, NCCL buffers and allocator slack outside weights and KV."""
+KV_RESERVE_TOKENS = 16_384
+"""``min_tp`` requires room for at least this many cached tokens (e.g. 8 sequences of 2k)."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    model: str
+    gpu: str
+    encoder: str
+    modality: str
+    hf_name: str
+    backbone: Backbone
+    hw: GPU
+    tokens_per_encoder_item: int
+    encoder_item: str
+    encoder_mode: str
+    anyres: bool
+    calib: Calibration = field(repr=False)
+    _enc: EncoderCalib = field(repr=False)
+    _cache: dict[tuple[int, float], float] = field(default_factory=dict, repr=False, compare=False)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def weight_bytes(self) -> int:
+        return self.backbone.weight_bytes
+
+    @property
+    def gpu_memory_bytes(self) -> int:
+        return self.hw.memory_bytes
+
+    @property
+    def sms(self) -> int:
+        return self.hw.sms
+
+    sm_count = sms  # the name the twin's adapter looks for
+
+    def embedding_bytes(self, tokens: int) -> int:
+        """Projected multimodal embeddings handed to prefill: tokens × LLM hidden × bf16."""
+        return max(0, int(tokens)) * self.backbone.hidden * BYTES_BF16
+
+    def kv_bytes(self, tokens: int) -> int:
+        """KV cache of one sequence of ``tokens`` (sliding-window layers hold only the window)."""
+        return int(math.ceil(self.backbone.kv_bytes(tokens)))
+
+    def kv_budget_bytes(self, tp: int = 1) -> int:
+        """KV cache a worker of ``tp`` GPUs can hold after weights and reserves (≤ 0 if it does
+        not fit)."""
+        per_gpu = USABLE_MEMORY_FRACTION * self.hw.memory_bytes - ACTIVATION_RESERVE_BYTES
+        return int(tp * per_gpu - self.weight_bytes)
+
+    def fits(self, tp: int = 1) -> bool:
+        """Weights plus a KV reserve of ``KV_RESERVE_TOKENS`` fit on ``tp`` GPUs."""
+        return self.kv_budget_bytes(tp) >= self.backbone.kv_bytes(KV_RESERVE_TOKENS)
+
+    def min_tp(self) -> int:
+        for tp in TP_CHOICES:
+            if self.fits(tp):
+                return tp
+        raise ValueError(f"{self.name}: {self.weight_bytes / 1e9:.1f} GB of weights do not fit on 8 GPUs")
+
+    # ------------------------------------------------------------------ media -> items/tokens
+    def tokens_per_item(self, kind: str | None = None) -> int:
+        """LLM tokens one encoder item yields (CLIP crop 576, Qwen frame pair 256, Whisper
+        30 s window ≈188). ``kind`` (a media part kind) is accepted for callers that pass it;
+        a kind of another modality is an error rather than a silent guess."""
+        if kind is not None and kind not in (self.modality, "image_url", "input_audio", "video_url", "video"):
+            raise ValueError(f"{self.name}: media kind {kind!r} does not match modality {self.modality!r}")
+        return self.tokens_per_encoder_item
+
+    def items_tokens(self, media: dict[str, Any]) -> tuple[int, int]:
+        """(encoder items, LLM tokens) for one media descriptor ({height,width} | {frames} |
+        {audio_s}), following the encoder's own patching (``workload.media``)."""
+        from easerve_runtime.workload.media import items_tokens
+
+        return items_tokens(self.modality, media, anyres=self.anyres)
+
+    def items_per_request(self, media: dict[str, Any]) -> int:
+        return self.items_tokens(media)[0]
+
+    # ------------------------------------------------------------------ latencies
+    @property
+    def _flops_scale(self) -> float:
+        """H200 time → this GPU's time for compute-bound work."""
+        return gpu(REF_GPU).flops_per_s / self.hw.flops_per_s
+
+    def encode_s(self, batch: int, sm_share: float = 1.0) -> float:
+        """One encoder forward of ``batch`` items on ``sm_share`` of this GPU's SMs."""
+        key = (batch, sm_share)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return hit
+        if batch <= 0:
+            return 0.0
+        if not 0.0 < sm_share <= 1.0:
+            raise ValueError(f"sm_share must be in (0, 1], got {sm_share}")
+        e = self._enc
+        work = e.compute(batch) * self._flops_scale * self.calib.sm_ratio(batch, sm_share)
+        t = max(e.floor_s, work + e.overhead_s)
+        if len(self._cache) < 100_000:
+            self._cache[key] = t
+        return t
+
+    def encoder_capacity(self, batch: int, sm_share: float = 1.0) -> float:
+        """Encoder items per second at a steady batch size."""
+        return batch / self.encode_s(batch, sm_share)
+
+    def _weights_stream_s(self, tp: int) -> float:
+        c = self.calib
+        return self.backbone.decode_stream_bytes / tp / (self.hw.hbm_bytes_per_s * c.eta_weights)
+
+    def prefill_s(self, tokens: int, sm_share: float = 1.0, tp: int = 1, sequences: int = 1) -> float:
+        """One prefill batch of ``tokens`` total tokens (``sequences`` prompts of equal length) on a
+        worker of ``tp`` GPUs, each with ``sm_share`` of its SMs. ``sm_share < 1`` means sharing an
+        encode GPU: the measured co-run penalty κ applies (see ``local_prefill_efficiency``)."""
+        if tokens <= 0:
+            return 0.0
+        if tp not in TP_CHOICES:
+            raise ValueError(f"tp must be one of {TP_CHOICES}, got {tp}")
+        if not 0.0 < sm_share <= 1.0:
+            raise ValueError(f"sm_share must be in (0, 1], got {sm_share}")
+        c, bb = self.calib, self.backbone
+        compute = (
+            bb.prefill_flops(tokens, sequences) / (self.hw.flops_per_s * c.prefill_fraction(tokens)) / tp
+        )
+        floor = bb.layers * c.floor_per_layer_s + self._weights_stream_s(tp)
+        t = max(compute, floor)
+        if sm_share < 1.0:
+            t /= sm_share * c.kappa
+        if tp > 1:
+            t += 2 * bb.layers * self.hw.link.allreduce_s(tokens * bb.hidden * BYTES_BF16, tp)
+        return t
+
+    def decode_step_s(self, batch: int, context_tokens: float, tp: int = 1) -> float:
+        """One continuous-batching decode step for ``batch`` sequences holding ``context_tokens``
+        cached tokens IN TOTAL (summed over the batch)."""
+        if batch <= 0:
+            return 0.0
+        if tp not in TP_CHOICES:
+            raise ValueError(f"tp must be one of {TP_CHOICES}, got {tp}")
+        c, bb = self.calib, self.backbone
+        kv = batch * bb.kv_bytes(max(0.0, context_tokens) / batch)
+        t = bb.layers * c.floor_per_layer_s + self._weights_stream_s(tp)
+        t += kv / tp / (self.hw.hbm_bytes_per_s * c.eta_kv)
+        t += (
+            c.decode_extra(batch)
+            * (bb.decode_flops_per_token / c.decode_extra_ref_flops)
+            * self._flops_scale
+            / tp
+        )
+        if tp > 1:
+            t += 2 * bb.layers * self.hw.link.allreduce_s(batch * bb.hidden * BYTES_BF16, tp)
+        return t
+
+    def transfer_s(self, nbytes: int, transfers: int = 1) -> float:
+        """``transfers`` point-to-point sends totalling ``nbytes`` over this GPU's link."""
+        if transfers <= 0 and nbytes <= 0:
+            return 0.0
+        link = self.hw.link
+        return max(0, transfers) * link.transfer_setup_s + max(0, nbytes) / link.bytes_per_s
+
+    def local_prefill_efficiency(self, encode_sm_share: float, encode_busy: float = 1.0) -> float:
+        """α: throughput of a local prefill worker relative to one owning a whole GPU, when the
+        encoder holds ``encode_sm_share`` of the SMs for the ``encode_busy`` fraction of time and
+        (dynamic partitioning) releases them otherwise.
+
+        α = busy·(1 - e)·κ + (1 - busy), κ = measured co-run penalty (≈0.97 on the H200). HAS's
+        default (docs/profiles.md): the encoder's utilisation at the target rate for ``encode_busy``
+        and the partition table's share for the typical batch; busy = 1 is the conservative bound.
+        """
+        if not 0.0 <= encode_sm_share < 1.0:
+            raise ValueError(f"encode_sm_share must be in [0, 1), got {encode_sm_share}")
+        if not 0.0 <= encode_busy <= 1.0:
+            raise ValueError(f"encode_busy must be in [0, 1], got {encode_busy}")
+        return encode_busy * (1.0 - encode_sm_share) * self.calib.kappa + (1.0 - encode_busy)
