@@ -43,11 +43,11 @@ class AggregatedReplica:
     ) -> None:
         self.loop, self.model, self.tp, self.name = loop, model, tp, name
         self.token_budget, self.max_seqs = token_budget, max_seqs
-        self.kv_capacity = model.kv_capacity_tokens(tp)
+        self.kv_capacity = model.kv_capacity_bytes(tp)
         self.waiting: deque[Job] = deque()
         self.finishing: list[tuple[int, int, Job]] = []
         self.running = 0
-        self.reserved = 0
+        self.reserved = 0.0
         self.ctx_sum = 0
         self.step = 0
         self.stepping = False
@@ -75,7 +75,9 @@ class AggregatedReplica:
         budget = self.token_budget - running
         while w:
             j = w[0]
-            need = j.tokens + j.req.output_tokens
+            if not j.kv_need:
+                j.kv_need = self.model.kv_bytes(j.tokens + j.req.output_tokens)
+            need = j.kv_need
             alone = running == 0 and not new
             if not alone and (
                 running + len(new) >= self.max_seqs
@@ -96,11 +98,12 @@ class AggregatedReplica:
         m = self.model
         enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
         if new and n:
-            dt = enc + max(m.prefill_s(tokens + n, self.tp), m.decode_step_s(n, self.ctx_sum / n, self.tp))
+            prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(new) + n)
+            dt = enc + max(prefill, m.decode_step_s(n, self.ctx_sum, self.tp))
         elif new:
-            dt = enc + m.prefill_s(tokens, self.tp)
+            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(new))
         else:
-            dt = m.decode_step_s(n, self.ctx_sum / n, self.tp)
+            dt = m.decode_step_s(n, self.ctx_sum, self.tp)
         self.reserved = reserved
         self.items_sum += items
         self.tokens_sum += tokens
@@ -121,7 +124,7 @@ class AggregatedReplica:
         for job in new:
             job.rec.first_token_s = now
             if job.req.output_tokens <= 1:
-                self.reserved -= job.tokens + job.req.output_tokens
+                self.reserved -= job.kv_need
                 self.outstanding -= 1
                 job.rec.finish_s = now
                 continue
@@ -133,7 +136,7 @@ class AggregatedReplica:
 
     def _finish(self, job: Job, now: float) -> None:
         self.running -= 1
-        self.reserved -= job.tokens + job.req.output_tokens
+        self.reserved -= job.kv_need
         self.ctx_sum -= job.tokens + job.req.output_tokens
         self.outstanding -= 1
         job.rec.finish_s = now

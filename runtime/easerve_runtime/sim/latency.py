@@ -24,7 +24,9 @@ class LatencyProfile(Protocol):
 
     def prefill_s(self, tokens: int, sm_share: float = 1.0) -> float: ...
 
-    def decode_step_s(self, batch: int, context_tokens: float) -> float: ...
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        """``context_tokens``: KV tokens cached across the whole batch (a total, not a mean)."""
+        ...
 
     def transfer_s(self, nbytes: int) -> float: ...
 
@@ -33,11 +35,15 @@ class LatencyProfile(Protocol):
     def embedding_bytes(self, tokens: int) -> int: ...
 
 
-def _tp_kw(fn: Any) -> str | None:
+def _params(fn: Any) -> set[str]:
     try:
-        params = inspect.signature(fn).parameters
+        return set(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        return None
+        return set()
+
+
+def _tp_kw(fn: Any) -> str | None:
+    params = _params(fn)
     for name in ("tp", "tensor_parallel"):
         if name in params:
             return name
@@ -49,75 +55,87 @@ class StageModel:
 
     def __init__(self, profile: Any) -> None:
         self.profile = profile
-        self._encode: dict[tuple[int, float, int], float] = {}
-        self._prefill: dict[tuple[int, int, float], float] = {}
+        self._encode: dict[tuple[int, float], float] = {}
+        self._prefill: dict[tuple[int, int, float, int], float] = {}
         self._transfer: dict[int, float] = {}
-        self._kv_per_token = int(profile.kv_bytes(1))
-        self._emb_per_token = int(profile.embedding_bytes(1))
+        self._kv: dict[int, int] = {}
         self._prefill_tp = _tp_kw(profile.prefill_s)
         self._decode_tp = _tp_kw(profile.decode_step_s)
-        self._encode_tp = _tp_kw(profile.encode_s)
-        self.total_sms = int(getattr(profile, "sm_count", 0) or getattr(profile, "total_sms", 0) or 132)
+        self._prefill_seqs = "sequences" in _params(profile.prefill_s)
+        self.total_sms = int(
+            getattr(profile, "sms", 0)
+            or getattr(profile, "sm_count", 0)
+            or getattr(profile, "total_sms", 0)
+            or 132
+        )
 
     # -- encode ---------------------------------------------------------------------------
-    def encode_s(self, items: int, share: float = 1.0, tp: int = 1) -> float:
-        key = (items, share, tp)
+    def encode_s(self, items: int, share: float = 1.0) -> float:
+        key = (items, share)
         v = self._encode.get(key)
         if v is None:
-            if tp != 1 and self._encode_tp:
-                v = float(self.profile.encode_s(items, share, **{self._encode_tp: tp}))
-            else:
-                v = float(self.profile.encode_s(items, share))
-            self._encode[key] = v
+            v = self._encode[key] = float(self.profile.encode_s(items, share)) if items > 0 else 0.0
         return v
 
     # -- prefill --------------------------------------------------------------------------
-    def prefill_s(self, tokens: int, tp: int = 1, share: float = 1.0) -> float:
-        key = (tokens, tp, share)
+    def prefill_s(self, tokens: int, tp: int = 1, share: float = 1.0, sequences: int = 1) -> float:
+        """One prefill batch of ``tokens`` total tokens over ``sequences`` prompts (inf at share 0)."""
+        key = (tokens, tp, share, sequences)
         v = self._prefill.get(key)
         if v is None:
             if share <= 0.0:
                 v = math.inf
-            elif self._prefill_tp:
-                v = float(self.profile.prefill_s(tokens, share, **{self._prefill_tp: tp}))
             else:
-                v = float(self.profile.prefill_s(tokens, share))
+                kw: dict[str, int] = {}
+                if self._prefill_tp:
+                    kw[self._prefill_tp] = tp
+                if self._prefill_seqs:
+                    kw["sequences"] = sequences
+                v = float(self.profile.prefill_s(tokens, min(share, 1.0), **kw))
             self._prefill[key] = v
         return v
 
-    def local_prefill_s(self, tokens: int, share: float) -> float:
-        """The local worker on an encode GPU: one GPU at the given SM share."""
-        return self.prefill_s(tokens, 1, share)
+    def local_prefill_s(self, tokens: int, share: float, sequences: int = 1) -> float:
+        """The local worker on an encode GPU: one GPU (TP 1) at the given SM share."""
+        return self.prefill_s(tokens, 1, share, sequences)
 
     # -- decode ---------------------------------------------------------------------------
-    def decode_step_s(self, batch: int, context: float, tp: int = 1) -> float:
+    def decode_step_s(self, batch: int, context_total: float, tp: int = 1) -> float:
+        """One decode step of ``batch`` sequences holding ``context_total`` KV tokens in all."""
         if self._decode_tp:
-            return float(self.profile.decode_step_s(batch, context, **{self._decode_tp: tp}))
-        return float(self.profile.decode_step_s(batch, context))
+            return float(self.profile.decode_step_s(batch, context_total, **{self._decode_tp: tp}))
+        return float(self.profile.decode_step_s(batch, context_total))
 
     # -- bytes ----------------------------------------------------------------------------
     def transfer_s(self, nbytes: int) -> float:
         v = self._transfer.get(nbytes)
         if v is None:
-            v = float(self.profile.transfer_s(nbytes))
-            self._transfer[nbytes] = v
+            v = self._transfer[nbytes] = float(self.profile.transfer_s(nbytes))
         return v
 
     def kv_bytes(self, tokens: int) -> int:
-        return self._kv_per_token * tokens
+        v = self._kv.get(tokens)
+        if v is None:
+            v = self._kv[tokens] = int(self.profile.kv_bytes(tokens))
+        return v
 
     def embedding_bytes(self, tokens: int) -> int:
-        return self._emb_per_token * tokens
+        return int(self.profile.embedding_bytes(tokens))
 
-    def kv_capacity_tokens(self, tp: int) -> int:
-        """KV tokens a worker of ``tp`` GPUs can hold next to its weights (0: does not fit)."""
+    def kv_capacity_bytes(self, tp: int) -> float:
+        """KV bytes a worker of ``tp`` GPUs can hold next to its weights (≤ 0: does not fit)."""
+        budget = getattr(self.profile, "kv_budget_bytes", None)
+        if callable(budget):
+            return float(budget(tp))
         mem = getattr(self.profile, "gpu_memory_bytes", None)
         weights = getattr(self.profile, "weight_bytes", None)
-        if not mem or weights is None or self._kv_per_token <= 0:
-            return 10**9
-        free = tp * mem * KV_MEMORY_UTILISATION - weights
-        return max(0, int(free // self._kv_per_token))
+        if not mem or weights is None:
+            return math.inf
+        return tp * mem * KV_MEMORY_UTILISATION - weights
 
     def fits(self, tp: int) -> bool:
-        """The backbone fits on ``tp`` GPUs with room for at least one long sequence."""
-        return self.kv_capacity_tokens(tp) >= 16384
+        """The backbone fits on ``tp`` GPUs with room for KV (the profile's own rule when it has one)."""
+        fits = getattr(self.profile, "fits", None)
+        if callable(fits):
+            return bool(fits(tp))
+        return self.kv_capacity_bytes(tp) >= self.kv_bytes(16384)

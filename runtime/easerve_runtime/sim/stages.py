@@ -41,11 +41,12 @@ DEFAULT_MAX_DECODE_SEQS = 256
 class Job:
     """One request moving through the pipeline, with its record."""
 
-    __slots__ = ("req", "rec", "tokens", "route")
+    __slots__ = ("req", "rec", "tokens", "route", "kv_need")
 
     def __init__(self, req: Request) -> None:
         self.req = req
         self.tokens = req.prompt_tokens + req.media_tokens
+        self.kv_need = 0.0  # KV bytes reserved at full length (set by the decode worker)
         self.rec = RequestRecord(id=req.id, arrival_s=req.arrival_s, output_tokens=req.output_tokens)
         self.route: str | None = None
 
@@ -68,11 +69,11 @@ class DecodeWorker(Busy):
         super().__init__()
         self.loop, self.model, self.tp, self.name = loop, model, tp, name
         self.max_seqs = max_seqs
-        self.kv_capacity = model.kv_capacity_tokens(tp)
+        self.kv_capacity = model.kv_capacity_bytes(tp)
         self.waiting: deque[Job] = deque()
         self.finishing: list[tuple[int, int, Job]] = []  # (finish step, seq, job)
         self.running = 0
-        self.reserved = 0  # KV tokens reserved by running sequences (prompt + output)
+        self.reserved = 0.0  # KV bytes reserved by running sequences at full length
         self.ctx_sum = 0  # current context tokens over running sequences
         self.step = 0
         self.stepping = False
@@ -89,7 +90,9 @@ class DecodeWorker(Busy):
             self._start_step()
 
     def _fits(self, job: Job) -> bool:
-        need = job.tokens + job.req.output_tokens
+        if not job.kv_need:
+            job.kv_need = self.model.kv_bytes(job.tokens + job.req.output_tokens)
+        need = job.kv_need
         if self.running == 0:
             return True  # a lone sequence always runs (a too-long one would be rejected upstream)
         return self.running < self.max_seqs and self.reserved + need <= self.kv_capacity
@@ -99,7 +102,7 @@ class DecodeWorker(Busy):
         while w and self._fits(w[0]):
             job = w.popleft()
             self.running += 1
-            self.reserved += job.tokens + job.req.output_tokens
+            self.reserved += job.kv_need
             self.ctx_sum += job.tokens + 1
             self._seq += 1
             heapq.heappush(self.finishing, (self.step + job.req.output_tokens - 1, self._seq, job))
@@ -108,7 +111,7 @@ class DecodeWorker(Busy):
             return
         self.stepping = True
         n = self.running
-        dt = self.model.decode_step_s(n, self.ctx_sum / n, self.tp)
+        dt = self.model.decode_step_s(n, self.ctx_sum, self.tp)
         self.busy_s += dt
         self.steps += 1
         self.batch_sum += n
@@ -122,7 +125,7 @@ class DecodeWorker(Busy):
         while f and f[0][0] <= self.step:
             _, _, job = heapq.heappop(f)
             self.running -= 1
-            self.reserved -= job.tokens + job.req.output_tokens
+            self.reserved -= job.kv_need
             self.ctx_sum -= job.tokens + job.req.output_tokens
             self.outstanding -= 1
             job.rec.finish_s = now
@@ -195,9 +198,10 @@ class PrefillWorker(Busy):
         self.tokens_sum = 0
 
     def _duration(self) -> float:
+        n = len(self.batch)
         if self.local:
-            return self.model.local_prefill_s(self.tokens, self.share) * self.dilation
-        return self.model.prefill_s(self.tokens, self.tp)
+            return self.model.local_prefill_s(self.tokens, self.share, n) * self.dilation
+        return self.model.prefill_s(self.tokens, self.tp, 1.0, n)
 
     def enqueue(self, jobs: list[Job]) -> None:
         self.queue.extend(jobs)
