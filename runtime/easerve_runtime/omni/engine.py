@@ -34,6 +34,7 @@ class Job:
     prefilled: bool = False
     first_response: float | None = None
     done: float | None = None
+    base_remaining: float = 0.0
 
     @property
     def latency(self) -> float | None:
@@ -89,6 +90,7 @@ class OmniEngine:
         self.down_batch: list[Job] | None = None
         self.shared_sms = profile.total_sms
         self.last_plan: StepPlan | None = None
+        self.step_ewma = 0.0
         self.stats = EngineStats()
 
     # -- admission ------------------------------------------------------------------------
@@ -114,7 +116,7 @@ class OmniEngine:
             prefill_tokens=max(1, prompt_tokens),
         )
         job = Job(req, max(1, prompt_tokens), max(1, output_tokens), first_steps, total)
-        req.remaining_s = self._remaining(job)
+        job.base_remaining = req.remaining_s = self._remaining(job)
         self.jobs[rid] = job
         self.queue.append(req)
         return job
@@ -147,6 +149,11 @@ class OmniEngine:
         """Plan and start one shared-stage step; returns its duration, or None if idle."""
         if self.shared_batch is not None or not self.queue:
             return None
+        # r_hat = profile estimate minus progress, plus one shared step of granularity: a waiting
+        # request cannot finish before the step it joins does (EWMA of recent step durations).
+        g = self.step_ewma
+        for r in self.queue:
+            r.remaining_s = self.jobs[r.id].base_remaining + g
         plan = self.scheduler.schedule(self.queue, now)
         self.last_plan = plan
         if not plan.batch:
@@ -169,7 +176,9 @@ class OmniEngine:
             self.stats.bw_ewma = self.throttle.observe(mem)
         self.shared_batch = batch
         self.stats.shared_steps += 1
-        return base * f_sh
+        dur = base * f_sh
+        self.step_ewma = dur if self.stats.shared_steps == 1 else 0.2 * dur + 0.8 * self.step_ewma
+        return dur
 
     def finish_shared(self, now: float) -> list[Job]:
         """Complete the running shared step; returns jobs whose first response happened now."""
@@ -191,7 +200,7 @@ class OmniEngine:
             elif j.tokens_done >= j.output_tokens:  # hand off to the downstream stage
                 leaving.add(id(j.req))
                 self.down.append(j)
-            j.req.remaining_s = self._remaining(j)
+            j.base_remaining = j.req.remaining_s = self._remaining(j)
         if leaving:
             self.queue[:] = [r for r in self.queue if id(r) not in leaving]
         for j in firsts:

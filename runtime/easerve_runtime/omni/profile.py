@@ -17,8 +17,11 @@ Contention model (each stage ``i`` in {shared, downstream}; ``a_i`` = SM fractio
   grants each process the whole GPU (``a_i = 1``), a green-context split grants ``a_i``;
 - when the demands sum past 1 the memory system is oversubscribed and both stages slow by
   ``D * (1 + thrash * (D - 1))``;
-- time-slicing (no MPS, no partition: two processes on one GPU, the vanilla setup) gives each
-  active stage half the time plus a context-switch overhead, and no overlap.
+- MPS: each process is granted every SM (``a_i = 1``, so the over-allocation term applies) and
+  its effective compute share shrinks by half the other stage's busy fraction;
+- time-slicing (no MPS, no partition: two processes on one GPU, the vanilla setup): kernels never
+  overlap, so each stage is stretched by the fraction of time the other keeps the GPU busy
+  (its bandwidth demand is the busy-fraction proxy) plus a context-switch overhead.
 
 The NVML-like memory-activity signal the throttle sees is ``100 * min(1, D)`` percent.
 """
@@ -167,8 +170,10 @@ class OmniProfile:
             a_dn = max(1.0 - a_sh, 8 / self.total_sms) if both else 1.0
             c_sh, c_dn = a_sh, a_dn
         elif sharing is Sharing.MPS:
+            # Each process may use every SM; when both run, each loses the SMs the other keeps busy.
             a_sh = a_dn = 1.0
-            c_sh = c_dn = 0.5 if both else 1.0
+            c_sh = 1.0 - 0.5 * self.down.bandwidth_demand if both else 1.0
+            c_dn = 1.0 - 0.5 * self.shared.bandwidth_demand if both else 1.0
         else:
             a_sh = a_dn = c_sh = c_dn = 1.0
         v_sh = self._speed(self.shared, c_sh)
@@ -176,9 +181,11 @@ class OmniProfile:
         d_sh = self._demand(self.shared, v_sh, a_sh) if shared_active else 0.0
         d_dn = self._demand(self.down, v_dn, a_dn) if down_active else 0.0
         if sharing is Sharing.TIMESLICE:
-            if both:
-                f = 2.0 * (1.0 + self.timeslice_overhead)
-                return f, f, 100.0 * min(1.0, 0.5 * (d_sh + d_dn))
+            if both:  # each waits out the other's slices: as long as the other keeps the GPU busy
+                o = 1.0 + self.timeslice_overhead
+                f_sh = 1.0 + self.down.bandwidth_demand * o
+                f_dn = 1.0 + self.shared.bandwidth_demand * o
+                return f_sh, f_dn, 100.0 * min(1.0, max(d_sh, d_dn))
             return 1.0, 1.0, 100.0 * min(1.0, d_sh + d_dn)
         total = d_sh + d_dn
         f_bw = total * (1.0 + self.thrash * (total - 1.0)) if total > 1.0 else 1.0

@@ -335,25 +335,32 @@ class OmniScheduler:
         """The filtered queue (original order) and how many requests it hides."""
         if not self.rotation:
             return list(queue), 0
-        other = PathKind.LONG if phase is PathKind.SHORT else PathKind.SHORT
-        # Work conservation: if the phase's path has no visible prefill, hide nothing by phase.
-        phase_has_work = any(r.path is phase and not r.in_decode for r in queue)
-        long_ordinary = [r for r in queue if r.path is PathKind.LONG and not r.in_decode and not r.protected]
+        long_, short = PathKind.LONG, PathKind.SHORT
+        other = long_ if phase is short else short
+        phase_has_work = False
+        long_ordinary: list[OmniRequest] = []
+        for r in queue:
+            if r.in_decode:
+                continue
+            if r.path is phase:
+                phase_has_work = True
+            if r.path is long_ and not r.protected:
+                long_ordinary.append(r)
+        # Work conservation: if the phase's path has no prefill waiting, hide nothing by phase.
+        hide_path = other if phase_has_work else None
         capped: set[int] = set()
         if len(long_ordinary) > self.long_path_cap:
-            keep = sorted(long_ordinary, key=lambda r: r.deadline)[: self.long_path_cap]
-            kept_ids = {id(r) for r in keep}
-            capped = {id(r) for r in long_ordinary if id(r) not in kept_ids}
+            long_ordinary.sort(key=_deadline)  # stable: ties keep queue order
+            capped = {id(r) for r in long_ordinary[self.long_path_cap :]}
         out: list[OmniRequest] = []
-        hidden = 0
         for r in queue:
-            if r.in_decode or r.protected:
+            if (
+                r.in_decode
+                or r.protected
+                or (r.path is not hide_path and (not capped or id(r) not in capped))
+            ):
                 out.append(r)
-            elif (phase_has_work and r.path is other) or id(r) in capped:
-                hidden += 1
-            else:
-                out.append(r)
-        return out, hidden
+        return out, len(queue) - len(out)
 
     def schedule(self, queue: Sequence[OmniRequest], now: float) -> StepPlan:
         """One shared-stage step: annotate, adapt N, pick the phase, filter, let the base pick.
@@ -370,6 +377,10 @@ class OmniScheduler:
         plan = StepPlan(batch=batch, phase=ph, n=self.n, hidden=hidden, step=self.k)
         self.k += 1
         return plan
+
+
+def _deadline(r: OmniRequest) -> float:
+    return r.deadline
 
 
 def remove_picked(queue: list[OmniRequest], batch: Sequence[OmniRequest]) -> None:
