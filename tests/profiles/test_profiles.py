@@ -64,8 +64,11 @@ def test_h200_anchors_34b_backbone():
 def test_7b_cross_check_within_ten_percent():
     """The 7B class is not fitted for prefill: its prediction is a genuine check of the scaling."""
     a = _anchors()["backbones"]["llm-7b-class"]
-    p = dataclasses.replace(load_profile("llava-v1.6-34b@h200"), backbone=backbone("llm-7b-class"), _cache={})
+    p = dataclasses.replace(load_profile("llava-v1.6-34b@h200"), backbone=backbone("llm-7b-class"))
     assert p.weight_bytes == pytest.approx(14.5e9, rel=0.01)
+    assert load_profile("llava-v1.6-34b@h200").decode_step_s(1, 2048) == pytest.approx(
+        0.0232, rel=0.01
+    )  # untouched
     for t, ms in a["prefill_ms"].items():
         assert p.prefill_s(int(t)) * 1e3 == pytest.approx(ms, rel=0.16)
     for bs, ms in a["decode_ms_ctx2048"].items():

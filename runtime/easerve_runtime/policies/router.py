@@ -84,18 +84,15 @@ def least_outstanding(candidates: Sequence[K], outstanding: Mapping[K, int], sta
 
 
 def _pick_index(candidates: Sequence[K], outstanding: Mapping[K, int], start: int) -> int:
-    n = len(candidates)
+    """Index of the first minimal candidate at or after ``start``, wrapping around (builtins only:
+    this runs once per remote request)."""
     get = outstanding.get
-    best_i = start
-    best = get(candidates[start], 0)
-    for j in range(1, n):
-        i = start + j
-        if i >= n:
-            i -= n
-        v = get(candidates[i], 0)
-        if v < best:
-            best, best_i = v, i
-    return best_i
+    loads = [get(c, 0) for c in candidates]
+    m = min(loads)
+    try:
+        return loads.index(m, start)
+    except ValueError:
+        return loads.index(m)
 
 
 class LeastOutstanding:

@@ -52,7 +52,26 @@ class Profile:
     anyres: bool
     calib: Calibration = field(repr=False)
     _enc: EncoderCalib = field(repr=False)
-    _cache: dict[tuple[int, float], float] = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict[tuple[int, float], float] = field(init=False, repr=False, compare=False)
+    _k: dict[str, float] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        """Fold every constant of the hot paths into one dict once (the twin calls them per event)."""
+        c, bb, hw = self.calib, self.backbone, self.hw
+        k: dict[str, float] = {}
+        object.__setattr__(self, "_k", k)  # fresh per instance, also under dataclasses.replace()
+        object.__setattr__(self, "_cache", {})
+        k["flops_scale"] = gpu(REF_GPU).flops_per_s / hw.flops_per_s
+        k["layer_floor_s"] = bb.layers * c.floor_per_layer_s
+        k["weights_s"] = bb.decode_stream_bytes / (hw.hbm_bytes_per_s * c.eta_weights)  # at tp = 1
+        k["kv_s_per_byte"] = 1.0 / (hw.hbm_bytes_per_s * c.eta_kv)
+        k["extra_scale"] = (bb.decode_flops_per_token / c.decode_extra_ref_flops) * k["flops_scale"]
+        k["kv_global"] = float(bb.kv_bytes_per_token_layer * bb.global_layers)
+        k["kv_local"] = float(bb.kv_bytes_per_token_layer * bb.local_layers)
+        k["window"] = float(bb.sliding_window) if bb.sliding_window else math.inf
+        k["allreduces"] = 2.0 * bb.layers
+        k["act_bytes_per_token"] = float(bb.hidden * BYTES_BF16)
+        k["flops_per_s"] = hw.flops_per_s
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -116,7 +135,7 @@ class Profile:
     @property
     def _flops_scale(self) -> float:
         """H200 time → this GPU's time for compute-bound work."""
-        return gpu(REF_GPU).flops_per_s / self.hw.flops_per_s
+        return self._k["flops_scale"]
 
     def encode_s(self, batch: int, sm_share: float = 1.0) -> float:
         """One encoder forward of ``batch`` items on ``sm_share`` of this GPU's SMs."""
@@ -139,9 +158,11 @@ class Profile:
         """Encoder items per second at a steady batch size."""
         return batch / self.encode_s(batch, sm_share)
 
-    def _weights_stream_s(self, tp: int) -> float:
-        c = self.calib
-        return self.backbone.decode_stream_bytes / tp / (self.hw.hbm_bytes_per_s * c.eta_weights)
+    def _kv_total(self, batch: int, context_tokens: float) -> float:
+        """KV bytes of ``batch`` sequences holding ``context_tokens`` in total (equal lengths)."""
+        k = self._k
+        per_seq = context_tokens / batch
+        return batch * (k["kv_global"] * per_seq + k["kv_local"] * min(per_seq, k["window"]))
 
     def prefill_s(self, tokens: int, sm_share: float = 1.0, tp: int = 1, sequences: int = 1) -> float:
         """One prefill batch of ``tokens`` total tokens (``sequences`` prompts of equal length) on a
@@ -153,16 +174,15 @@ class Profile:
             raise ValueError(f"tp must be one of {TP_CHOICES}, got {tp}")
         if not 0.0 < sm_share <= 1.0:
             raise ValueError(f"sm_share must be in (0, 1], got {sm_share}")
-        c, bb = self.calib, self.backbone
-        compute = (
-            bb.prefill_flops(tokens, sequences) / (self.hw.flops_per_s * c.prefill_fraction(tokens)) / tp
-        )
-        floor = bb.layers * c.floor_per_layer_s + self._weights_stream_s(tp)
-        t = max(compute, floor)
+        k = self._k
+        flops = self.backbone.prefill_flops(tokens, sequences)
+        compute = flops / (k["flops_per_s"] * self.calib.prefill_fraction(tokens)) / tp
+        floor = k["layer_floor_s"] + k["weights_s"] / tp
+        t = compute if compute > floor else floor
         if sm_share < 1.0:
-            t /= sm_share * c.kappa
+            t /= sm_share * self.calib.kappa
         if tp > 1:
-            t += 2 * bb.layers * self.hw.link.allreduce_s(tokens * bb.hidden * BYTES_BF16, tp)
+            t += k["allreduces"] * self.hw.link.allreduce_s(tokens * k["act_bytes_per_token"], tp)
         return t
 
     def decode_step_s(self, batch: int, context_tokens: float, tp: int = 1) -> float:
@@ -172,18 +192,12 @@ class Profile:
             return 0.0
         if tp not in TP_CHOICES:
             raise ValueError(f"tp must be one of {TP_CHOICES}, got {tp}")
-        c, bb = self.calib, self.backbone
-        kv = batch * bb.kv_bytes(max(0.0, context_tokens) / batch)
-        t = bb.layers * c.floor_per_layer_s + self._weights_stream_s(tp)
-        t += kv / tp / (self.hw.hbm_bytes_per_s * c.eta_kv)
-        t += (
-            c.decode_extra(batch)
-            * (bb.decode_flops_per_token / c.decode_extra_ref_flops)
-            * self._flops_scale
-            / tp
-        )
+        k = self._k
+        ctx = context_tokens if context_tokens > 0.0 else 0.0
+        t = k["layer_floor_s"] + k["weights_s"] / tp + self._kv_total(batch, ctx) * k["kv_s_per_byte"] / tp
+        t += self.calib.decode_extra(batch) * k["extra_scale"] / tp
         if tp > 1:
-            t += 2 * bb.layers * self.hw.link.allreduce_s(batch * bb.hidden * BYTES_BF16, tp)
+            t += k["allreduces"] * self.hw.link.allreduce_s(batch * k["act_bytes_per_token"], tp)
         return t
 
     def transfer_s(self, nbytes: int, transfers: int = 1) -> float:
