@@ -80,12 +80,14 @@ class SimEngine:
         self,
         profile: Any,
         *,
-        anyres: bool = False,
+        anyres: bool | None = None,
+        tp: int = 1,
         speedup: float | None = None,
         bytes_scale: float | None = None,
     ) -> None:
         self.profile = profile
-        self.anyres = anyres
+        self.anyres = bool(getattr(profile, "anyres", False)) if anyres is None else anyres
+        self.tp = tp
         self.speedup = env_float("EASERVE_SIM_SPEEDUP", 1.0) if speedup is None else float(speedup)
         self.bytes_scale = (
             env_float("EASERVE_SIM_BYTES_SCALE", 1.0) if bytes_scale is None else float(bytes_scale)
@@ -96,11 +98,25 @@ class SimEngine:
             raise ValueError(f"bytes_scale must be > 0, got {self.bytes_scale}")
 
     @classmethod
-    def for_spec(cls, spec: EPDDeploymentSpec, **kw: Any) -> SimEngine:
-        """The sim engine of a deployment: its profile, and anyres tiling if its model uses it."""
+    def for_spec(cls, spec: EPDDeploymentSpec, stage: str = "encode", **kw: Any) -> SimEngine:
+        """The sim engine of one stage of a deployment: its profile, its stage's tensor parallelism.
+
+        Anyres tiling follows the profile when it says, else the model name (``workload.media``).
+        """
         from easerve_runtime.profiles import load_profile
 
-        return cls(load_profile(spec.engine.profile), anyres=is_anyres(spec.model.name), **kw)
+        profile = load_profile(spec.engine.profile)
+        tp = {"prefill": spec.allocation.prefill, "decode": spec.allocation.decode}.get(stage)
+        anyres = getattr(profile, "anyres", None)
+        return cls(
+            profile,
+            anyres=is_anyres(spec.model.name) if anyres is None else bool(anyres),
+            tp=tp.tensor_parallel if tp is not None else 1,
+            **kw,
+        )
+
+    def _tp_kw(self) -> dict[str, int]:
+        return {"tp": self.tp} if self.tp != 1 else {}
 
     async def _wait(self, seconds: float) -> None:
         if seconds > 0:
@@ -132,7 +148,7 @@ class SimEngine:
     async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]:
         tokens = sum(r.prompt_tokens for r in batch)
         if tokens:
-            await self._wait(self.profile.prefill_s(tokens, sm_share))
+            await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **self._tp_kw()))
         return [
             PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
             for r in batch
@@ -140,11 +156,13 @@ class SimEngine:
 
     # -- DecodeEngine ---------------------------------------------------------------------
     async def receive_kv(self, kv_bytes: int) -> None:
-        await self._wait(self.profile.transfer_s(kv_bytes))
+        if kv_bytes > 0:
+            await self._wait(self.profile.transfer_s(kv_bytes))
 
     async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
         if not batch:
             return []
-        context = sum(s.context_tokens + len(s.generated) for s in batch) / len(batch)
-        await self._wait(self.profile.decode_step_s(len(batch), context))
+        # the profile takes the KV tokens cached across the whole batch (the twin does the same)
+        context = sum(s.context_tokens + len(s.generated) for s in batch)
+        await self._wait(self.profile.decode_step_s(len(batch), float(context), **self._tp_kw()))
         return [token_at(s.seed, len(s.generated)) for s in batch]

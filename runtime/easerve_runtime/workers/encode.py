@@ -152,15 +152,9 @@ class EncodeWorker:
             dest: Any
             if route == Route.REMOTE:
                 assert self.remote is not None
-                load = dict(self.remote.outstanding)
-                for k, v in assigned.items():
-                    load[k] = load.get(k, 0) + v
                 try:
-                    ids = self.remote.instances()
-                    dest = self.remote._picker.pick(ids, load) if ids else None
-                except ValueError:
-                    dest = None
-                if dest is None:
+                    dest = self.remote.pick(extra=assigned)
+                except StageError:
                     self._fail(str(req["id"]), "no live prefill instance")
                     continue
                 assigned[dest] = assigned.get(dest, 0) + 1

@@ -46,7 +46,7 @@ def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
     if backend == Backend.SIM:
         from easerve_runtime.engines.sim import SimEngine
 
-        return SimEngine.for_spec(spec)
+        return SimEngine.for_spec(spec, stage)
     if backend == Backend.TORCH:
         from easerve_runtime.engines.torch import make_torch_engine
 

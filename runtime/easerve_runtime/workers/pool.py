@@ -58,11 +58,17 @@ class Pool:
     def quarantine(self, iid: int) -> None:
         self._quarantine[iid] = self.clock() + QUARANTINE_S
 
-    def pick(self, exclude: set[int] | None = None) -> int:
+    def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int:
+        """The live instance with the fewest outstanding requests (plus ``extra`` not yet sent)."""
         ids = [i for i in self.instances() if not exclude or i not in exclude]
         if not ids:
             raise StageError(f"no live {self.name} instance", retryable=True)
-        return self._picker.pick(ids, self.outstanding)
+        load = self.outstanding
+        if extra:
+            load = dict(load)
+            for k, v in extra.items():
+                load[k] = load.get(k, 0) + v
+        return self._picker.pick(ids, load)
 
     @property
     def total_outstanding(self) -> int:

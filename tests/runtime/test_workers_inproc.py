@@ -1,0 +1,227 @@
+"""The encode -> prefill -> decode chain in one event loop, with Dynamo replaced by direct calls.
+
+This checks the workers' own logic (batching, routing, one envelope per destination, relaying,
+token counts, failure propagation) fast and deterministically; the Dynamo path is covered by
+test_serve_integration.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from easerve_runtime.config import EPDDeploymentSpec, load_manifest
+from easerve_runtime.engines.base import DecodeSequence, EncodeInput, MediaPart, PrefillInput
+from easerve_runtime.engines.sim import SimEngine, token_at
+from easerve_runtime.metrics import Metrics
+from easerve_runtime.policies.envelope import Envelope
+from easerve_runtime.policies.router import LeastOutstanding
+from easerve_runtime.workers.decode import DecodeWorker
+from easerve_runtime.workers.encode import EncodeWorker
+from easerve_runtime.workers.pool import StageError
+from easerve_runtime.workers.prefill import PrefillWorker
+from easerve_runtime.workers.wire import b64d, part_to_wire
+
+SPEC = "tests/runtime/spec_small.yaml"
+
+
+class FakeProfile:
+    """Tiny constant latencies; records what it was asked."""
+
+    anyres = False
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+
+    def encode_s(self, batch: int, sm_share: float = 1.0) -> float:
+        self.calls.append(("encode", (batch, sm_share)))
+        return 0.002
+
+    def prefill_s(self, tokens: int, sm_share: float = 1.0, **kw: Any) -> float:
+        self.calls.append(("prefill", (tokens, sm_share, kw.get("sequences"))))
+        return 0.002
+
+    def decode_step_s(self, batch: int, context: float, **kw: Any) -> float:
+        self.calls.append(("decode", (batch, context)))
+        return 0.001
+
+    def transfer_s(self, nbytes: int) -> float:
+        return 0.0
+
+    def kv_bytes(self, tokens: int) -> int:
+        return tokens * 1000
+
+    def embedding_bytes(self, tokens: int) -> int:
+        return tokens * 16 * 2
+
+
+class FakePool:
+    """Pool stand-in: instance id -> handler (an async generator function), counts outstanding."""
+
+    def __init__(self, handlers: dict[int, Callable[..., AsyncIterator[Any]]], name: str = "x") -> None:
+        self.handlers = handlers
+        self.name = name
+        self.outstanding: dict[int, int] = {}
+        self.sent: list[tuple[int, Any]] = []
+        self._picker = LeastOutstanding()
+
+    def instances(self) -> list[int]:
+        return sorted(self.handlers)
+
+    def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int:
+        ids = [i for i in self.instances() if not exclude or i not in exclude]
+        if not ids:
+            raise StageError(f"no live {self.name} instance", retryable=True)
+        load = dict(self.outstanding)
+        for k, v in (extra or {}).items():
+            load[k] = load.get(k, 0) + v
+        return self._picker.pick(ids, load)
+
+    async def stream(self, request: Any, instance: int | None = None, weight: int = 1) -> AsyncIterator[Any]:
+        iid = instance if instance is not None else self.pick()
+        self.sent.append((iid, request))
+        self.outstanding[iid] = self.outstanding.get(iid, 0) + weight
+        try:
+            async for item in self.handlers[iid](request):
+                yield item
+        except Exception as exc:
+            raise StageError(f"{self.name} {iid} failed: {exc}") from exc
+        finally:
+            self.outstanding[iid] -= weight
+
+
+def spec(**offload: float) -> EPDDeploymentSpec:
+    _, s = load_manifest(SPEC)
+    if offload:
+        s = s.model_copy(update={"offload": s.offload.model_copy(update=offload)})
+    return s
+
+
+def png_part() -> dict[str, Any]:
+    from easerve_runtime.bench.payloads import png
+
+    return part_to_wire(MediaPart("image", png(336, 336), "image/png", {"height": 336, "width": 336}))
+
+
+async def drive(n: int, s: EPDDeploymentSpec, max_tokens: int = 3, gap: float = 0.0005) -> dict[str, Any]:
+    prof = FakeProfile()
+    eng = SimEngine(prof, speedup=1.0, bytes_scale=1.0)
+    m = Metrics()
+    decode_workers = {10: DecodeWorker(eng, m), 11: DecodeWorker(eng, m)}
+    decode_pool = FakePool({k: w.generate for k, w in decode_workers.items()}, "decode")
+    remote = PrefillWorker(eng, m, decode_pool)
+    local = PrefillWorker(eng, m, decode_pool, stage="local-prefill")
+    remote_pool = FakePool({1: remote.generate}, "prefill")
+    local_pool = FakePool({2: local.generate}, "local prefill")
+    enc = EncodeWorker(s, eng, m, remote_pool, local_pool)
+    loops = [asyncio.create_task(w.run()) for w in (enc, remote, local, *decode_workers.values())]
+
+    async def one(i: int) -> list[dict[str, Any]]:
+        req = {"id": f"r{i}", "seed": i, "text_tokens": 10, "max_tokens": max_tokens, "parts": [png_part()]}
+        return [item async for item in enc.generate(req)]
+
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one(i)))
+        await asyncio.sleep(gap)
+    results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+    for t in loops:
+        t.cancel()
+    return {"results": results, "enc": enc, "remote": remote_pool, "local": local_pool, "prof": prof, "m": m}
+
+
+def test_chain_tokens_routes_and_envelopes() -> None:
+    out = asyncio.run(drive(40, spec()))
+    for i, items in enumerate(out["results"]):
+        tokens = [x["token"] for x in items if "token" in x]
+        assert tokens == [token_at(i, k) for k in range(3)], items
+        assert items[-1]["done"] is True and items[-1]["prompt_tokens"] == 10 + 576
+    routes = [items[-1]["route"] for items in out["results"]]
+    assert abs(routes.count("remote") - 20) <= 1
+    # one envelope per destination per micro-batch, and the index matches the requests it carries
+    sends = out["remote"].sent + out["local"].sent
+    batches = out["m"].encode_batch_size.collect()[0].samples
+    n_batches = next(s.value for s in batches if s.name.endswith("_count"))
+    assert len(sends) <= 2 * n_batches
+    for _iid, msg in sends:
+        arrays = Envelope.unpack(b64d(msg["buffer"]), msg["index"])
+        assert sorted(arrays) == sorted(r["id"] for r in msg["requests"])
+        assert all(a.shape == (576, 16) for a in arrays.values())
+    assert sum(len(msg["requests"]) for _, msg in sends) == 40
+    # the encoder saw micro-batches, never more than B items
+    enc_batches = [c[1][0] for c in out["prof"].calls if c[0] == "encode"]
+    assert sum(enc_batches) == 40 and max(enc_batches) <= 8
+
+
+def test_all_remote_when_ratio_one() -> None:
+    out = asyncio.run(drive(12, spec(ratio=1.0)))
+    assert {items[-1]["route"] for items in out["results"]} == {"remote"}
+    assert out["local"].sent == []
+
+
+def test_single_token_requests_skip_decode() -> None:
+    out = asyncio.run(drive(5, spec(), max_tokens=1))
+    assert all([x for x in items if "token" in x] and items[-1]["done"] for items in out["results"])
+    assert not [c for c in out["prof"].calls if c[0] == "decode"]
+
+
+def test_decode_failure_reaches_the_client() -> None:
+    async def run() -> list[list[dict[str, Any]]]:
+        prof = FakeProfile()
+        eng = SimEngine(prof, speedup=1.0, bytes_scale=1.0)
+        m = Metrics()
+
+        async def broken(req: Any) -> AsyncIterator[Any]:
+            yield {"token": 1}
+            raise ConnectionError("Unavailable: Stream ended before generation completed")
+
+        decode_pool = FakePool({10: broken}, "decode")
+        pw = PrefillWorker(eng, m, decode_pool)
+        enc = EncodeWorker(spec(ratio=1.0), eng, m, FakePool({1: pw.generate}), None)
+        loops = [asyncio.create_task(enc.run()), asyncio.create_task(pw.run())]
+
+        async def one(i: int) -> list[dict[str, Any]]:
+            req = {"id": f"r{i}", "seed": i, "text_tokens": 4, "max_tokens": 5, "parts": [png_part()]}
+            return [x async for x in enc.generate(req)]
+
+        res = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(3))), 10)
+        for t in loops:
+            t.cancel()
+        return list(res)
+
+    for items in asyncio.run(run()):
+        assert "error" in items[-1] and "decode" in items[-1]["error"]
+
+
+def test_sim_engine_charges_profile_and_is_deterministic() -> None:
+    async def run() -> None:
+        prof = FakeProfile()
+        eng = SimEngine(prof, speedup=1.0, bytes_scale=0.5)
+        parts = (MediaPart("image", b"", "", {"height": 336, "width": 336}),)
+        embs = await eng.encode([EncodeInput("a", parts), EncodeInput("b", parts + parts)])
+        assert prof.calls[-1] == ("encode", (3, 1.0))
+        assert [e.shape for e in embs] == [(576, 16), (1152, 16)]
+        assert len(embs[0].data) == 576 * 16 * 2 // 2  # bytes_scale 0.5
+        outs = await eng.prefill([PrefillInput("a", 10, 576, seed=7)], sm_share=0.5)
+        assert prof.calls[-1] == ("prefill", (586, 0.5, 1))
+        assert outs[0].first_token == token_at(7, 0) and outs[0].kv_bytes == 586_000
+        seqs = [
+            DecodeSequence("a", 100, 4, seed=7, generated=[1]),
+            DecodeSequence("b", 50, 4, seed=8, generated=[2]),
+        ]
+        toks = await eng.decode_step(seqs)
+        assert toks == [token_at(7, 1), token_at(8, 1)]
+        assert prof.calls[-1] == ("decode", (2, 152.0))  # total cached tokens over the batch
+
+    asyncio.run(run())
+
+
+def test_sim_env_knobs_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EASERVE_SIM_SPEEDUP", "fast")
+    with pytest.raises(ValueError, match="EASERVE_SIM_SPEEDUP"):
+        SimEngine(FakeProfile())
+    monkeypatch.setenv("EASERVE_SIM_SPEEDUP", "-1")
+    with pytest.raises(ValueError, match="EASERVE_SIM_SPEEDUP"):
+        SimEngine(FakeProfile())
