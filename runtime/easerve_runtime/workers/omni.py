@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -292,6 +293,41 @@ def serve(
     except KeyboardInterrupt:
         return 0
     return 0
+
+
+async def _idle_downstream(port: int) -> None:
+    from aiohttp import web
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok", "note": "sim backend: downstream steps run in omni-shared"})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/live", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "0.0.0.0", port).start()
+    try:
+        await asyncio.Event().wait()
+    finally:
+        await runner.cleanup()
+
+
+def run_stage(stage: str, name: str, spec: EPDDeploymentSpec, port: int | None = None) -> int:
+    """Entry point for ``easerve worker --stage omni-shared|omni-downstream`` (the pod's containers).
+
+    ``omni-shared`` serves HTTP (default port 8000) and runs both stage loops. With the ``sim``
+    backend ``omni-downstream`` only answers health probes (default port ``$DYN_SYSTEM_PORT`` or
+    9091): its steps are simulated inside ``omni-shared``, which owns the one engine state.
+    """
+    if stage == "omni-shared":
+        return serve(name, spec, port or 8000, slo_table=os.environ.get(SLO_ENV))
+    if stage == "omni-downstream":
+        with contextlib.suppress(KeyboardInterrupt):
+            asyncio.run(_idle_downstream(port or int(os.environ.get("DYN_SYSTEM_PORT", "9091"))))
+        return 0
+    print(f"easerve worker: stage: must be omni-shared or omni-downstream, got {stage!r}", file=sys.stderr)
+    return 2
 
 
 def main(argv: list[str] | None = None) -> int:
