@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -159,6 +160,8 @@ def main() -> int:
 
     report = {
         "python": sys.version.split()[0],
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "cpus": os.cpu_count(),
         "requests": n,
         "rate": args.rate,
         "per_request_us": results,
