@@ -100,7 +100,10 @@ def tune(spec: EPDDeploymentSpec, reqs: list, model: Any) -> dict[str, Any]:
                 if s < 1 and a.encode.replicas < 1:
                     continue
                 sp = with_cfg(spec, alloc=a, b=b, s=s, dispatch=DispatchPolicy.POISSON_GAP)
-                k = rank_key(simulate_system(sp, reqs, "easerve", model).summary, tier)
+                try:
+                    k = rank_key(simulate_system(sp, reqs, "easerve", model).summary, tier)
+                except ValueError:
+                    continue  # e.g. local prefill needs more encode GPUs than this allocation has
                 trials += 1
                 if best is None or k > best[0]:
                     best = (k, sp)

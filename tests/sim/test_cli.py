@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def test_all_systems_and_ratios(capsys) -> None:
     rc, out, _ = run_cli(
         capsys,
         "-f",
-        str(EXAMPLES["ultravox-v0.6-27b"]),
+        str(EXAMPLES["qwen2.5-vl-32b"]),
         "--rate",
         "2",
         "--requests",
@@ -118,3 +119,14 @@ def test_errors_name_the_field(tmp_path: Path, capsys) -> None:
     y.write_text(EXAMPLES["llava-v1.6-34b"].read_text().replace("batchBound: 8", "batchBound: 0"))
     rc, _, err = run_cli(capsys, "-f", str(y), "--json")
     assert rc == 2 and "spec.encode.batchBound" in err
+
+
+def test_infeasible_local_prefill_is_an_error_not_ignored(tmp_path: Path, capsys) -> None:
+    """A 27B backbone needs 2 GPUs on a 48 GB card: one encode GPU cannot host local prefill."""
+    y = tmp_path / "one-encoder.yaml"
+    text = re.sub(
+        r"encode: \{replicas: \d+", "encode: {replicas: 1", EXAMPLES["ultravox-v0.6-27b"].read_text()
+    )
+    y.write_text(text.replace("ratio: 1.0", "ratio: 0.5"))
+    rc, _, err = run_cli(capsys, "-f", str(y), "--requests", "20", "--json")
+    assert rc == 2 and "spec.offload.ratio" in err and "TP2" in err

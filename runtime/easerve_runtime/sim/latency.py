@@ -95,9 +95,16 @@ class StageModel:
             self._prefill[key] = v
         return v
 
-    def local_prefill_s(self, tokens: int, share: float, sequences: int = 1) -> float:
-        """The local worker on an encode GPU: one GPU (TP 1) at the given SM share."""
-        return self.prefill_s(tokens, 1, share, sequences)
+    def local_prefill_s(self, tokens: int, share: float, sequences: int = 1, tp: int = 1) -> float:
+        """The local worker on encode GPUs: ``tp`` of them, each at the given SM share."""
+        return self.prefill_s(tokens, tp, share, sequences)
+
+    def min_tp(self) -> int:
+        """Smallest TP degree at which the backbone fits (weights + KV reserve)."""
+        for tp in (1, 2, 4, 8):
+            if self.fits(tp):
+                return tp
+        raise ValueError("spec.engine.profile: the backbone fits no TP degree in {1, 2, 4, 8}")
 
     # -- decode ---------------------------------------------------------------------------
     def decode_step_s(self, batch: int, context_total: float, tp: int = 1) -> float:

@@ -10,7 +10,8 @@ the virtual time the measurement took (``cost_s``: what a real profiling run wou
 - ``prefill_capacity(tp)``: one remote prefill worker (token-budget batches).
 - ``decode_capacity(tp)``: one decode worker (continuous batching, KV-bounded).
 - ``local_prefill_efficiency()``: α, the local worker's capacity at its SM share (the partner
-  share for a B-sized micro-batch under the spec's partition mode) over C_P at the smallest TP.
+  share for a B-sized micro-batch under the spec's partition mode) over C_P, both at the
+  smallest TP that fits (a local worker of TP k spans k encode GPUs).
 """
 
 from __future__ import annotations
@@ -122,7 +123,12 @@ class SimProfiler:
         share, dilation = shares.local_share(max(1, round(mean_items * spec.encode.batch_bound)), True)
         return share / dilation
 
+    def local_prefill_capacity(self, share: float) -> Probe:
+        """One local prefill worker (TP = ``min_tp()``, spanning that many encode GPUs) at ``share``."""
+        return self._prefill(self.min_tp(), max(share, 1e-3))
+
     def local_prefill_efficiency(self) -> float | None:
-        c_p = self.prefill_capacity(self.min_tp()).value
-        local = self._prefill(1, max(self.local_share(), 1e-3)).value
+        tp = self.min_tp()
+        c_p = self.prefill_capacity(tp).value
+        local = self._prefill(tp, max(self.local_share(), 1e-3)).value
         return local / c_p if c_p > 0 else None

@@ -196,11 +196,12 @@ class PrefillWorker(Busy):
         self._version = 0
         self.batches = 0
         self.tokens_sum = 0
+        self.members: dict[int, tuple[float, float]] = {}
 
     def _duration(self) -> float:
         n = len(self.batch)
         if self.local:
-            return self.model.local_prefill_s(self.tokens, self.share, n) * self.dilation
+            return self.model.local_prefill_s(self.tokens, self.share, n, self.tp) * self.dilation
         return self.model.prefill_s(self.tokens, self.tp, 1.0, n)
 
     def enqueue(self, jobs: list[Job]) -> None:
@@ -233,8 +234,16 @@ class PrefillWorker(Busy):
         if self._seg_dur != float("inf"):  # a zero share pauses the batch until the split changes
             self.loop.at(now + self._frac_left * self._seg_dur, self._done, self._version)
 
-    def set_share(self, share: float, dilation: float = 1.0) -> None:
-        """The SM split changed: re-time the remaining work of the batch in flight."""
+    def set_share(self, share: float, dilation: float = 1.0, member: int = 0) -> None:
+        """The SM split on GPU ``member`` changed: re-time the remaining work of the batch in flight.
+
+        A local worker of TP k spans k encode GPUs; a TP step runs at the pace of its slowest
+        rank, so its share is the smallest of its GPUs' shares (and the largest slowdown).
+        """
+        self.members[member] = (share, dilation)
+        if len(self.members) > 1:
+            share = min(v[0] for v in self.members.values())
+            dilation = max(v[1] for v in self.members.values())
         if share == self.share and dilation == self.dilation:
             return
         if self.batch:
@@ -274,6 +283,7 @@ class EncodeWorker(Busy):
         remote: list[PrefillWorker],
         local: PrefillWorker | None,
         reasons: dict[str, int],
+        member: int = 0,
     ) -> None:
         super().__init__()
         self.loop, self.model, self.shares, self.batcher, self.name = loop, model, shares, batcher, name
@@ -291,8 +301,9 @@ class EncodeWorker(Busy):
         self.batch_sum = 0
         self.items_sum = 0
         self.routed = {"remote": 0, "local": 0}
+        self.member = member  # this GPU's rank within its local prefill worker's TP group
         if local is not None:
-            local.set_share(*shares.local_share(None, local_active=False))
+            local.set_share(*shares.local_share(None, local_active=False), member=member)
 
     def on_arrival(self, job: Job) -> None:
         self.outstanding += 1
@@ -323,7 +334,7 @@ class EncodeWorker(Busy):
         self.items_sum += items
         self.busy_s += dt
         if self.local is not None:
-            self.local.set_share(*self.shares.local_share(items, local_active=True))
+            self.local.set_share(*self.shares.local_share(items, local_active=True), member=self.member)
         self.loop.at(now + dt, self._done, jobs)
 
     def _wake(self, t: float) -> None:
@@ -336,7 +347,7 @@ class EncodeWorker(Busy):
         self.busy = False
         self.outstanding -= len(jobs)
         if self.local is not None:
-            self.local.set_share(*self.shares.local_share(None, local_active=True))
+            self.local.set_share(*self.shares.local_share(None, local_active=True), member=self.member)
         # route every request, then one envelope per destination
         groups: dict[str, list[Job]] = {}
         for job in jobs:

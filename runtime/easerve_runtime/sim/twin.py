@@ -21,6 +21,22 @@ from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandof
 from easerve_runtime.workload.request import Request
 
 
+def local_prefill_tp(spec: EPDDeploymentSpec, model: StageModel) -> int:
+    """TP of a local prefill worker: the backbone must fit in the encode GPUs it spans.
+
+    On a 48 GB GPU a 27–34B backbone needs two GPUs, so one local worker spans two encode GPUs
+    (each giving it its complementary SM share); with fewer encode GPUs than that, local prefill
+    is impossible and the spec is rejected rather than silently simulated.
+    """
+    tp = model.min_tp()
+    if spec.allocation.encode.replicas < tp:
+        raise ValueError(
+            f"spec.offload.ratio: {spec.offload.ratio} < 1 needs a local prefill worker, but the backbone "
+            f"needs {tp} GPUs (TP{tp}) and spec.allocation.encode.replicas is {spec.allocation.encode.replicas}"
+        )
+    return tp
+
+
 def run_pipeline(
     spec: EPDDeploymentSpec,
     requests: Sequence[Request],
@@ -52,16 +68,34 @@ def run_pipeline(
     reasons: dict[str, int] = {}
     encoders: list[EncodeWorker] = []
     locals_: list[PrefillWorker] = []
+    local_tp = local_prefill_tp(spec, model) if colocated else 1
+    hosts = (a.encode.replicas // local_tp) * local_tp if colocated else 0
     for i in range(a.encode.replicas):
-        local = PrefillWorker(loop, model, 1, f"local-{i}", handoff, local=True) if colocated else None
-        if local is not None:
-            locals_.append(local)
+        local: PrefillWorker | None = None
+        # a local worker of TP k spans k encode GPUs; leftover GPUs (n_E mod k) host none
+        if i < hosts:
+            if i % local_tp == 0:
+                locals_.append(
+                    PrefillWorker(loop, model, local_tp, f"local-{i // local_tp}", handoff, local=True)
+                )
+            local = locals_[-1]
         batcher: Batcher[Any] = (
             batcher_factory() if batcher_factory is not None else make_batcher(spec.encode)
         )
-        router = DeficitRouter(s) if colocated else None
+        router = DeficitRouter(s) if local is not None else None
         encoders.append(
-            EncodeWorker(loop, model, shares, batcher, f"encode-{i}", router, remote, local, reasons)
+            EncodeWorker(
+                loop,
+                model,
+                shares,
+                batcher,
+                f"encode-{i}",
+                router,
+                remote,
+                local,
+                reasons,
+                member=i % local_tp,
+            )
         )
 
     jobs = [Job(r) for r in requests]
