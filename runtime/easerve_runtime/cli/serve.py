@@ -23,8 +23,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s serve %(levelname)s: %(message)s", stream=sys.stderr
     )
+    from pydantic import ValidationError
+
+    from easerve_runtime.config import spec_errors
+
     try:
         return serve(args.file, args.port, args.workdir)
+    except ValidationError as exc:
+        print(f"easerve serve: {args.file}:\n  " + "\n  ".join(spec_errors(exc)), file=sys.stderr)
+        return 2
     except (OSError, ValueError) as exc:
         print(f"easerve serve: {exc}", file=sys.stderr)
         return 2

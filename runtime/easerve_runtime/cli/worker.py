@@ -10,15 +10,23 @@ import argparse
 import logging
 import sys
 
-HELP = "Run one EAServe stage process (encode, prefill, decode, local-prefill or frontend)."
+HELP = "Run one EAServe stage process (encode, prefill, decode, local-prefill, frontend, omni-*)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--stage",
         required=True,
-        choices=["encode", "prefill", "decode", "frontend", "local-prefill"],
-        help="Stage to run.",
+        choices=[
+            "encode",
+            "prefill",
+            "decode",
+            "frontend",
+            "local-prefill",
+            "omni-shared",
+            "omni-downstream",
+        ],
+        help="Stage to run (omni-* for spec.mode omni-colocated).",
     )
     parser.add_argument("--config", required=True, help="RuntimeConfig JSON (the ConfigMap's config.json).")
     parser.add_argument("--host", default="0.0.0.0", help="Frontend bind address (default 0.0.0.0).")

@@ -224,9 +224,15 @@ class Launcher:
 
 
 def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] | None = None) -> int:
+    """Run the deployment in ``path`` until SIGINT/SIGTERM; 0 on a clean stop."""
     from easerve_runtime.config import load_manifest
 
     name, spec = load_manifest(path)
+    if spec.mode == DeploymentMode.OMNI_COLOCATED:  # one process over one shared engine
+        from easerve_runtime.workers.omni import SLO_ENV
+        from easerve_runtime.workers.omni import serve as serve_omni
+
+        return serve_omni(name, spec, port, slo_table=os.environ.get(SLO_ENV), host="127.0.0.1")
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"easerve-{name}-"))
     launcher = Launcher(name, spec, port, wd, env)
     stopping = False

@@ -37,6 +37,7 @@ from easerve_runtime.workers.pool import Pool
 log = logging.getLogger("easerve.worker")
 
 STAGES = ("encode", "prefill", "decode", "frontend", "local-prefill")
+OMNI_STAGES = ("omni-shared", "omni-downstream")
 DRAIN_TIMEOUT_S = 60.0
 
 
@@ -174,6 +175,11 @@ def run(stage: str, config_path: str, **kw: Any) -> int:
     except ValidationError as exc:
         lines = "\n  ".join(spec_errors(exc, prefix="config"))
         raise SystemExit(f"--config {config_path}: invalid runtime config:\n  {lines}") from None
+    if stage in OMNI_STAGES:  # the omni-colocated runtime has its own process model
+        from easerve_runtime.workers.omni import run_stage as run_omni
+
+        port = kw.get("port") if stage == "omni-shared" else None
+        return run_omni(stage, cfg.name, cfg.spec, port)
     try:
         import uvloop
 
