@@ -36,7 +36,7 @@ KV_RESERVE_TOKENS = 16_384
 """``min_tp`` requires room for at least this many cached tokens (e.g. 8 sequences of 2k)."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Profile:
     name: str
     model: str
