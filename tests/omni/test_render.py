@@ -74,6 +74,21 @@ def test_config_hash_changes_with_config() -> None:
     )
 
 
+def test_names_are_dns_labels_and_match_the_lead_config_map() -> None:
+    from easerve_operator.render import render_children
+
+    name, spec = load_manifest(EXAMPLE)
+    children = render_children(name, "ns", "u-1", spec)
+    cm = next(o for o in children if o["kind"] == "ConfigMap")
+    dep = next(o for o in children if o["kind"] == "Deployment")
+    svc = next(o for o in children if o["kind"] == "Service")
+    vols = dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "config", "configMap": {"name": cm["metadata"]["name"]}} in vols
+    for o in (dep, svc):
+        n = o["metadata"]["name"]
+        assert "." not in n and len(n) <= 63 and n[0].isalpha(), n
+
+
 def test_rejects_disaggregated_spec() -> None:
     _, spec = load_manifest(Path(__file__).parents[2] / "examples" / "llava-v1.6-34b.yaml")
     with pytest.raises(ValueError, match="spec.mode"):

@@ -20,6 +20,8 @@ from typing import Any
 
 from easerve_runtime.config import EPDDeploymentSpec
 
+from easerve_operator.render.stages import config_map_name, stage_name
+
 STAGE = "omni"
 CONFIG_PATH = "/etc/easerve/config.json"
 HTTP_PORT = 8000
@@ -149,7 +151,7 @@ def render_omni(
     pod: dict[str, Any] = {
         "containers": containers,
         "volumes": [
-            {"name": "config", "configMap": {"name": f"{name}-config"}},
+            {"name": "config", "configMap": {"name": config_map_name(name)}},
             {"name": "shm", "emptyDir": {"medium": "Memory"}},
         ],
         "terminationGracePeriodSeconds": 60,
@@ -163,7 +165,7 @@ def render_omni(
     deployment = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": {"name": f"{name}-{STAGE}", **meta},
+        "metadata": {"name": stage_name(name, STAGE), **meta},
         "spec": {
             "replicas": spec.gpu_budget,
             "selector": {"matchLabels": _selector(name)},
@@ -185,7 +187,7 @@ def render_omni(
     service = {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": {"name": f"{name}-{STAGE}", **meta},
+        "metadata": {"name": stage_name(name, STAGE), **meta},
         "spec": {
             "selector": _selector(name),
             "ports": [
