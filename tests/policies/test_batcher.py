@@ -100,6 +100,22 @@ def test_free_encoder_conserves_fifo_bounds_and_max_age(kind, b, arrival_gaps, m
     assert {d.reason for d in out} <= allowed
 
 
+def _oracle_reason(kind, batcher, now, last_arrival, b, max_age):
+    """The reason a poll at ``now`` must give, from observable state only (None: no dispatch)."""
+    n = batcher.pending
+    if n == 0:
+        return None
+    if n >= b:
+        return DispatchReason.FULL
+    if kind == "eager":
+        return DispatchReason.EAGER
+    if now >= batcher.oldest_arrival + max_age:
+        return DispatchReason.MAX_AGE if kind == "gap" else DispatchReason.TIMEOUT
+    if kind == "gap" and last_arrival is not None and now >= last_arrival + batcher.gap_s():
+        return DispatchReason.GAP
+    return None
+
+
 ops = st.lists(
     st.tuples(st.sampled_from(["arrive", "poll", "wake"]), st.floats(min_value=0.0, max_value=0.05)),
     min_size=1,
@@ -118,10 +134,12 @@ def test_any_interleaving_keeps_invariants(kind, b, seq, max_age):
     """Arbitrary arrivals and polls (a busy encoder = no polls) never lose, duplicate or overfill."""
     batcher = _make(kind, b, max_age)
     now, nxt, got = 0.0, 0, []
+    last_arrival = None
     for op, dt in seq:
         now += dt
         before = batcher.pending
         if op == "arrive":
+            last_arrival = now
             batcher.on_arrival(nxt, now)
             nxt += 1
             assert batcher.pending == before + 1
@@ -136,10 +154,13 @@ def test_any_interleaving_keeps_invariants(kind, b, seq, max_age):
             d_early = batcher.poll(now) if w > now else None
             assert d_early is None
             now = w
+        expected = _oracle_reason(kind, batcher, now, last_arrival, b, max_age)
         d = batcher.poll(now)
         if d is None:
+            assert expected is None
             assert batcher.pending == before
             continue
+        assert d.reason == expected
         assert d.at == now
         assert 1 <= len(d.items) <= b
         assert len(d.items) == min(b, before)
