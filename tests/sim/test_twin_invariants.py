@@ -147,3 +147,30 @@ def test_summary_metrics_are_finite(llava_spec, toy_model) -> None:
     for k in ("throughput", "ttft_mean", "ttft_p99", "tpot_mean", "tpot_p99"):
         assert math.isfinite(r.summary[k])
     assert set(r.summary["goodput"]) == {t.name for t in llava_spec.slo.tiers}
+
+
+def test_aggregated_chunked_prefill_conserves_work_and_first_token_waits_for_the_last_chunk(
+    llava_spec, toy_model
+) -> None:
+    from easerve_runtime.sim.systems import simulate_system
+
+    reqs = generate(llava_spec, 3.0, 120, seed=8)
+    r = simulate_system(llava_spec, reqs, "aggregated", toy_model, layout=(2, 4, 512))
+    assert r.config["token_budget"] == 512
+    assert r.summary["completed"] == 120
+    assert r.stats["prefilled_tokens"] == sum(q.prefill_tokens for q in reqs)
+    assert r.stats["decoded_tokens"] == sum(q.output_tokens - 1 for q in reqs)
+    # a lone request of 1276 tokens needs ceil(1276/512) = 3 iterations before its first token
+    one = Request(
+        id="x",
+        arrival_s=0.0,
+        modality="image",
+        encoder_items=3,
+        prompt_tokens=100,
+        media_tokens=1176,
+        output_tokens=1,
+    )
+    rec = simulate_system(llava_spec, [one], "aggregated", toy_model, layout=(2, 1, 512)).records[0]
+    p = ToyProfile()
+    expect = p.encode_s(2) + p.prefill_s(512, tp=2) * 2 + p.prefill_s(1276 - 1024, tp=2)
+    assert rec.first_token_s == pytest.approx(expect, rel=1e-12)

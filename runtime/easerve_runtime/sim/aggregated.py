@@ -3,9 +3,10 @@
 Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
 
 - every iteration decodes one token for every running sequence (continuous batching);
-- waiting requests are admitted FIFO while the iteration's token budget (max_num_batched_tokens,
-  decode tokens included) and KV memory allow; their media are encoded inline, before their
-  prefill, in the same iteration;
+- waiting requests are admitted FIFO while KV memory and the sequence cap allow, and prefilled
+  in chunks that fill the iteration's token budget (max_num_batched_tokens, decode tokens
+  included: vLLM's chunked prefill); a request's media are encoded inline, before its first
+  chunk, in the same iteration;
 - a mixed iteration costs ``encode + max(prefill(new + running tokens), decode step)``: one fused
   forward pass streams the weights once, so its time is the larger of its compute-bound prefill
   part and its bandwidth-bound decode part. That is the generous reading (vLLM's chunked prefill
@@ -14,7 +15,8 @@ Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
   layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
 
 Requests are spread over replicas by fewest outstanding. The best (tp, replicas) layout for the
-GPU budget is chosen by sweeping (``systems.best_of``), never assumed.
+GPU budget, and the best token budget (2048 or 8192: small chunks protect TPOT, large ones TTFT),
+are chosen by sweeping (``systems.best_of``), never assumed.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class AggregatedReplica:
         self.items_sum = 0
         self.tokens_sum = 0
         self.decoded = 0
+        self.prefilling = 0  # admitted, prompt not fully prefilled yet
         self._seq = 0
 
     def arrive(self, job: Job) -> None:
@@ -67,53 +70,62 @@ class AggregatedReplica:
             self._iterate()
 
     def _iterate(self) -> None:
+        """Plan one engine iteration: decode every running sequence, then prefill chunks FIFO.
+
+        Chunked prefill: a prompt longer than what is left of the token budget is split over
+        iterations (its encode runs with its first chunk); decode never waits for a whole prompt.
+        """
         w = self.waiting
-        new: list[Job] = []
+        chunks: list[tuple[Job, bool]] = []
         tokens = 0
         items = 0
-        running, reserved = self.running, self.reserved
-        budget = self.token_budget - running
-        while w:
-            j = w[0]
-            if not j.kv_need:
-                j.kv_need = self.model.kv_bytes(j.tokens + j.req.output_tokens)
-            need = j.kv_need
-            alone = running == 0 and not new
-            if not alone and (
-                running + len(new) >= self.max_seqs
-                or reserved + need > self.kv_capacity
-                or tokens + j.tokens > budget
-            ):
-                break
-            w.popleft()
-            new.append(j)
-            tokens += j.tokens
-            items += j.req.encoder_items
-            reserved += need
         n = self.running
-        if not new and n == 0:
+        budget = max(1, self.token_budget - n)
+        while w and tokens < budget:
+            j = w[0]
+            if j.left < 0:  # not admitted yet: sequence cap and KV memory
+                if not j.kv_need:
+                    j.kv_need = self.model.kv_bytes(j.tokens + j.req.output_tokens)
+                alone = n == 0 and not chunks
+                if not alone and (
+                    n + self.prefilling >= self.max_seqs or self.reserved + j.kv_need > self.kv_capacity
+                ):
+                    break
+                self.reserved += j.kv_need
+                self.prefilling += 1
+                j.left = j.tokens
+                items += j.req.encoder_items
+            take = min(j.left, budget - tokens)
+            tokens += take
+            j.left -= take
+            last = j.left == 0
+            if last:
+                w.popleft()
+            chunks.append((j, last))
+            if not last:
+                break
+        if not chunks and n == 0:
             self.stepping = False
             return
         self.stepping = True
         m = self.model
         enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
-        if new and n:
-            prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(new) + n)
+        if chunks and n:
+            prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
             dt = enc + max(prefill, m.decode_step_s(n, self.ctx_sum, self.tp))
-        elif new:
-            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(new))
+        elif chunks:
+            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(chunks))
         else:
             dt = m.decode_step_s(n, self.ctx_sum, self.tp)
-        self.reserved = reserved
         self.items_sum += items
         self.tokens_sum += tokens
         self.decoded += n
         self.busy_s += dt
         self.encode_s += enc
         self.iterations += 1
-        self.loop.at(self.loop.now + dt, self._end, new)
+        self.loop.at(self.loop.now + dt, self._end, chunks)
 
-    def _end(self, new: list[Job]) -> None:
+    def _end(self, chunks: list[tuple[Job, bool]]) -> None:
         now = self.loop.now
         self.step += 1
         self.ctx_sum += self.running
@@ -121,7 +133,10 @@ class AggregatedReplica:
         while f and f[0][0] <= self.step:
             _, _, job = heapq.heappop(f)
             self._finish(job, now)
-        for job in new:
+        for job, last in chunks:
+            if not last:
+                continue
+            self.prefilling -= 1
             job.rec.first_token_s = now
             if job.req.output_tokens <= 1:
                 self.reserved -= job.kv_need
@@ -143,13 +158,17 @@ class AggregatedReplica:
 
 
 def run_aggregated(
-    requests: Sequence[Request], model: StageModel, tp: int, replicas: int
+    requests: Sequence[Request],
+    model: StageModel,
+    tp: int,
+    replicas: int,
+    token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` over ``replicas`` aggregated engines of ``tp`` GPUs each."""
     if replicas < 1:
         raise ValueError(f"replicas: must be >= 1, got {replicas}")
     loop = EventLoop()
-    reps = [AggregatedReplica(loop, model, tp, f"replica-{i}") for i in range(replicas)]
+    reps = [AggregatedReplica(loop, model, tp, f"replica-{i}", token_budget) for i in range(replicas)]
     picker = LeastOutstanding()
     names = [r.name for r in reps]
     by_name = {r.name: r for r in reps}

@@ -29,11 +29,14 @@ from easerve_runtime.policies.batcher import EagerBatcher
 from easerve_runtime.sim.aggregated import run_aggregated
 from easerve_runtime.sim.allocations import aggregated_layouts, feasible_allocations
 from easerve_runtime.sim.latency import StageModel
+from easerve_runtime.sim.stages import DEFAULT_PREFILL_TOKEN_BUDGET
 from easerve_runtime.sim.twin import run_pipeline
 from easerve_runtime.workload.metrics import summarize
 from easerve_runtime.workload.request import Request, RequestRecord
 
 SYSTEMS = ("dynamo", "aggregated", "easerve-s1", "easerve")
+AGGREGATED_TOKEN_BUDGETS = (2048, 8192)
+"""Chunked-prefill token budgets the aggregated baseline is swept over (vLLM's two usual defaults)."""
 
 
 @dataclass
@@ -114,18 +117,26 @@ def simulate_system(
     requests: Sequence[Request],
     system: str = "easerve",
     model: StageModel | None = None,
-    layout: tuple[int, int] | None = None,
+    layout: tuple[int, ...] | None = None,
 ) -> SimResult:
-    """Run ONE configuration of ``system`` (no sweep). ``layout`` = (tp, replicas) for aggregated."""
+    """Run ONE configuration of ``system`` (no sweep).
+
+    ``layout`` = (tp, replicas[, token_budget]) for aggregated."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
     if system == "aggregated":
         if layout is None:
             layout = aggregated_layouts(spec.gpu_budget, model)[0]
-        tp, replicas = layout
-        jobs, stats = run_aggregated(requests, model, tp, replicas)
-        config: dict[str, Any] = {"layout": f"{replicas}x(E+P+D)(tp{tp})", "tp": tp, "replicas": replicas}
+        tp, replicas = layout[0], layout[1]
+        budget = layout[2] if len(layout) > 2 else DEFAULT_PREFILL_TOKEN_BUDGET
+        jobs, stats = run_aggregated(requests, model, tp, replicas, budget)
+        config: dict[str, Any] = {
+            "layout": f"{replicas}x(E+P+D)(tp{tp})",
+            "tp": tp,
+            "replicas": replicas,
+            "token_budget": budget,
+        }
     else:
         v = variant(spec, system)
         factory: Callable[[], Any] | None = None
@@ -169,7 +180,8 @@ def best_of(
 ) -> SimResult:
     """``system`` at its best configuration for these requests (a real sweep, recorded in ``swept``).
 
-    ``dynamo`` and ``easerve-s1`` sweep every feasible allocation; ``aggregated`` every TP layout;
+    ``dynamo`` and ``easerve-s1`` sweep every feasible allocation; ``aggregated`` every TP layout
+    and chunked-prefill token budget;
     ``easerve`` runs the spec as given unless ``candidates`` (specs) are passed.
     """
     if model is None:
@@ -178,7 +190,12 @@ def best_of(
     t0 = time.process_time()
     results: list[SimResult] = []
     if system == "aggregated":
-        for layout in candidates or aggregated_layouts(spec.gpu_budget, model):
+        layouts = candidates or [
+            (tp, n, b)
+            for tp, n in aggregated_layouts(spec.gpu_budget, model)
+            for b in AGGREGATED_TOKEN_BUDGETS
+        ]
+        for layout in layouts:
             results.append(simulate_system(spec, requests, system, model, layout=layout))
     elif system in ("dynamo", "easerve-s1"):
         allocs = candidates or feasible_allocations(spec.gpu_budget, model)
