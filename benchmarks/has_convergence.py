@@ -125,8 +125,14 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from easerve_runtime.config import load_manifest
 
     spec = load_manifest(ROOT / "examples" / f"{name}.yaml")[1]
-    profiler = SimStageProfiler(spec)
-    space = space_for(spec, profiler.min_tp(), max_batch=args.max_batch, s_step=args.s_step)
+    profiler = SimStageProfiler(spec, rate=args.rate)
+    space = space_for(
+        spec,
+        profiler.min_tp(),
+        max_batch=args.max_batch,
+        s_step=args.s_step,
+        local_tp=profiler.local_prefill_tp(),
+    )
     t0 = time.perf_counter()
     table = exhaustive(
         spec, space, args.rate, args.requests, args.workload_seed, Path(args.out) / f"exhaustive-{name}.json"
@@ -322,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
         "--requests", type=int, default=100, help="requests per trial (the paper's §4.3 uses 100)"
     )
     ap.add_argument("--workload-seed", type=int, default=1)
-    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--s-step", type=float, default=0.1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "has_convergence"))
     args = ap.parse_args(argv)

@@ -82,15 +82,17 @@ def test_scores_and_pruning_hand_computed():
     assert by[C].cap_p == pytest.approx(2.5 + 2 * 0.3 * 2.5)
     assert by[D].cap_p == pytest.approx(3.0 + 0.9)
     assert by[E].cap_p == pytest.approx(1.5 + 4 * 0.45) and by[E].cap_e == pytest.approx(10.8)
-    # order: best score first, equal scores by GPUs then label -> A before B
-    assert [r.alloc for r in rows[:2]] == [A, B]
+    # order: best score first; equal scores by the remaining load ratios, largest first:
+    # B's next-busiest stage is D at 5/3.8 = 1.32, A's is D at 5/3.5 = 1.43 -> B before A;
+    # C, D, E (all D-bound at 5/1.9) next by rho_P: C 5/4.0 = 1.25 < D 5/3.9 = 1.28 < E 5/3.3 = 1.52
+    assert [r.alloc for r in rows] == [B, A, C, D, E]
     assert [r.kept for r in rows] == [True, True, False, False, False]
 
 
 def test_top_k_limits_survivors_and_says_why():
     rows = score_allocations([A, B, C, D, E], caps(), 5.0, top_k=1)
-    assert [r.alloc for r in rows if r.kept] == [A]
-    assert "beyond top K=1" in next(r for r in rows if r.alloc == B).reason
+    assert [r.alloc for r in rows if r.kept] == [B]
+    assert "beyond top K=1" in next(r for r in rows if r.alloc == A).reason
 
 
 def test_without_local_prefill_cap_p_is_remote_only():
@@ -138,7 +140,7 @@ def test_run_stage1_through_a_profiler(td):
     # encode 4 probes x 10 s; prefill 2 TPs x 20 s; decode 2 TPs x 30 s; run concurrently -> max
     assert res.capacities.cost_s == {"encode": 40.0, "prefill": 40.0, "decode": 60.0}
     assert res.capacities.parallel_cost_s == 60.0
-    assert res.survivors == (A, B)
+    assert res.survivors == (B, A)
     assert res.to_dict()["kept"] == 2 and res.to_dict()["of"] == 5
     # unknown alpha falls back to the documented default
     res2 = run_stage1(td.TableTestProfiler(decode={2: 1.9, 4: 3.5}, alpha=None), space, 5.0)
@@ -156,3 +158,25 @@ def test_stage1_round_trips_through_json():
 
     back = Stage1Result.from_dict(res.to_dict())
     assert back.to_dict() == res.to_dict()
+
+
+def test_local_workers_spanning_several_encode_gpus():
+    # a TP2 backbone: one local prefill worker per two encode GPUs (n_L = floor(n_E / 2))
+    rows = {r.alloc: r for r in score_allocations([A, E], caps(), 5.0, local_tp=2)}
+    assert rows[A].cap_p == pytest.approx(1.5 + 1 * 0.3 * 1.5)  # n_L = 1
+    assert rows[E].cap_p == pytest.approx(1.5 + 2 * 0.3 * 1.5)  # n_L = 2
+    space = SearchSpace((A, Alloc(1, 1, 2, 1, 4)), max_batch=2, s_step=0.5, local_tp=2)
+    lone = Alloc(1, 1, 2, 1, 4)
+    assert space.s_values(lone) == (1.0,) and space.s_values(A) == (0.0, 0.5, 1.0)
+    assert space.size == 2 * 3 + 2 * 1
+    # the lone encode GPU cannot host a TP2 local worker: its s is pinned to 1
+    r = seed_range(lone, caps(), 5.0, space)
+    assert (r.s_lo, r.s_hi, r.s_seed) == (1.0, 1.0, 1.0)
+    # A: s* = 1.5 / (1.5 + 0.45) = 0.769; the window [0.569, 0.969] holds no point of a 0.5 grid,
+    # so the range collapses to the grid value nearest s*, 1.0
+    assert s_star(A, caps(), True, local_tp=2) == pytest.approx(1.5 / 1.95)
+    r = seed_range(A, caps(), 5.0, space)
+    assert (r.s_lo, r.s_hi, r.s_seed) == (1.0, 1.0, 1.0)
+    # decide() carries the space's local_tp into the scores
+    res = decide(caps(), SearchSpace((A, E), local_tp=2), 5.0)
+    assert {r.alloc: r.cap_p for r in res.rows} == pytest.approx({A: 1.95, E: 2.4})

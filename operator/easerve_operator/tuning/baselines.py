@@ -55,9 +55,8 @@ class CoordinateProposer:
         self.space = space
         self.seed = seed
         rng = random.Random(derive_seed(seed, 0))
-        self.current = Candidate(
-            rng.choice(space.allocations), rng.choice(space.batch_values()), rng.choice(space.s_values())
-        )
+        a = rng.choice(space.allocations)
+        self.current = Candidate(a, rng.choice(space.batch_values()), rng.choice(space.s_values(a)))
         self._values: dict[tuple[Any, ...], float | None] = {}
         self._dim = 0
         self._moved_in_cycle = False
@@ -69,10 +68,14 @@ class CoordinateProposer:
     def _line_of(self, dim: str) -> list[Candidate]:
         c = self.current
         if dim == "alloc":
-            return [Candidate(a, c.batch_bound, c.offload_ratio) for a in self.space.allocations]
+            line = []
+            for a in self.space.allocations:  # keep s if the allocation allows it, else s = 1
+                s = c.offload_ratio if c.offload_ratio in self.space.s_values(a) else 1.0
+                line.append(Candidate(a, c.batch_bound, s))
+            return line
         if dim == "B":
             return [Candidate(c.alloc, b, c.offload_ratio) for b in self.space.batch_values()]
-        return [Candidate(c.alloc, c.batch_bound, s) for s in self.space.s_values()]
+        return [Candidate(c.alloc, c.batch_bound, s) for s in self.space.s_values(c.alloc)]
 
     def _advance(self) -> None:
         """Finish the current line (move to its best point) and open the next non-trivial one."""

@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     if store.exists() and not args.resume:
         return _fail(f"--out: {store.path} already holds a search; pass --resume to continue it or --fresh")
 
-    profiler = SimStageProfiler(spec)
+    profiler = SimStageProfiler(spec, rate=rate)
     try:
         space = space_for(
             spec,
@@ -187,6 +187,7 @@ def run(args: argparse.Namespace) -> int:
             max_batch=args.max_batch,
             s_step=args.s_step,
             local_prefill=not args.no_local_prefill,
+            local_tp=profiler.local_prefill_tp(),
         )
     except ValueError as exc:
         return _fail(str(exc))

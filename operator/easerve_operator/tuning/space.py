@@ -9,7 +9,9 @@ evaluation in ``benchmarks/has_convergence.py`` enumerates it point by point:
   whole GPU budget (a leftover GPU is never worse as one more encode worker, which also hosts
   one more local prefill worker);
 - B: the integers 1..``max_batch``;
-- s: multiples of ``s_step`` in [0, 1] when local prefill is allowed, else only 1.0.
+- s: multiples of ``s_step`` in [0, 1] when local prefill is allowed and the allocation has
+  enough encode GPUs to host a local prefill worker (one spans ``local_tp`` encode GPUs, the
+  backbone's TP), else only 1.0.
 
 ``apply_candidate`` turns a point into a full ``EPDDeploymentSpec`` copied from the user's spec,
 so a result can be written straight into ``status.tuning`` or a YAML file.
@@ -163,8 +165,11 @@ class SearchSpace:
     max_batch: int = DEFAULT_MAX_BATCH
     s_step: float = DEFAULT_S_STEP
     local_prefill: bool = True
+    local_tp: int = 1
 
     def __post_init__(self) -> None:
+        if self.local_tp < 1:
+            raise ValueError(f"local_tp must be >= 1, got {self.local_tp}")
         if not self.allocations:
             raise ValueError("the search space has no feasible allocation")
         if not 1 <= self.max_batch <= 256:
@@ -174,24 +179,31 @@ class SearchSpace:
     def batch_values(self) -> tuple[int, ...]:
         return tuple(range(1, self.max_batch + 1))
 
-    def s_values(self) -> tuple[float, ...]:
-        return s_grid(self.s_step) if self.local_prefill else (1.0,)
+    def n_local(self, a: Alloc) -> int:
+        """Local prefill workers allocation ``a`` can host (each spans ``local_tp`` encode GPUs)."""
+        return a.encode // self.local_tp if self.local_prefill else 0
+
+    def s_values(self, a: Alloc | None = None) -> tuple[float, ...]:
+        """The s grid (of allocation ``a``: only 1.0 when it cannot host local prefill)."""
+        if not self.local_prefill or (a is not None and self.n_local(a) == 0):
+            return (1.0,)
+        return s_grid(self.s_step)
 
     def points(self) -> Iterator[Candidate]:
         for a in self.allocations:
             for b in self.batch_values():
-                for s in self.s_values():
+                for s in self.s_values(a):
                     yield Candidate(a, b, s)
 
     @property
     def size(self) -> int:
-        return len(self.allocations) * len(self.batch_values()) * len(self.s_values())
+        return sum(len(self.batch_values()) * len(self.s_values(a)) for a in self.allocations)
 
     def contains(self, c: Candidate) -> bool:
         return (
             c.alloc in self.allocations
             and 1 <= c.batch_bound <= self.max_batch
-            and round_s(c.offload_ratio) in self.s_values()
+            and round_s(c.offload_ratio) in self.s_values(c.alloc)
         )
 
     def to_dict(self) -> dict[str, object]:
@@ -200,6 +212,7 @@ class SearchSpace:
             "max_batch": self.max_batch,
             "s_step": self.s_step,
             "local_prefill": self.local_prefill,
+            "local_tp": self.local_tp,
             "size": self.size,
         }
 
@@ -212,6 +225,7 @@ def space_for(
     s_step: float = DEFAULT_S_STEP,
     local_prefill: bool = True,
     full_only: bool = True,
+    local_tp: int = 1,
 ) -> SearchSpace:
     """The space for a deployment spec: its GPU budget and the model's ``min_tp``."""
     allocs = enumerate_allocations(spec.gpu_budget, min_tp, full_only=full_only)
@@ -220,7 +234,9 @@ def space_for(
             f"spec.gpuBudget={spec.gpu_budget}: no allocation fits (the model needs TP >= {min_tp} "
             "for prefill and decode, plus one encode GPU)"
         )
-    return SearchSpace(tuple(allocs), max_batch=max_batch, s_step=s_step, local_prefill=local_prefill)
+    return SearchSpace(
+        tuple(allocs), max_batch=max_batch, s_step=s_step, local_prefill=local_prefill, local_tp=local_tp
+    )
 
 
 def apply_candidate(spec: EPDDeploymentSpec, c: Candidate) -> EPDDeploymentSpec:

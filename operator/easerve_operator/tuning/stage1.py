@@ -9,10 +9,13 @@ Definitions (issue 5; the paper's Eq. 4 and Algorithm 1 are missing from our cop
 
 - C_E: one encode worker's saturation throughput, found by doubling B from 1 until the gain
   is below 5%; C_P(tp), C_D(tp): one prefill / decode worker's capacity at TP ``tp``.
-- Cap_E = n_E·C_E; Cap_P = n_P·C_P + n_L·α·C_P (n_L = n_E local prefill workers when local
-  prefill is allowed, else 0); Cap_D = n_D·C_D.
+- Cap_E = n_E·C_E; Cap_P = n_P·C_P + n_L·α·C_P; Cap_D = n_D·C_D. n_L is the number of local
+  prefill workers: ⌊n_E / local_tp⌋ when local prefill is allowed (one worker per encode GPU
+  when the backbone fits one GPU; one per ``local_tp`` encode GPUs when it needs TP
+  ``local_tp``, as on the twin), else 0.
 - ρ_x = Λ / Cap_x; score = max_x ρ_x (lower is better).
-- keep allocations with score ≤ 1.2 × best score, then at most the best K = 3.
+- keep allocations with score ≤ 1.2 × best score, then at most the best K = 3 (equal scores are
+  ordered by the other stages' load ratios, largest first: see ``score_allocations``).
 - seeds: B ∈ [1, B_max(a)], B_max(a) = ⌈Λ / n_E⌉; s centred on
   s*(a) = C_remote / (C_remote + C_local) with C_remote = n_P·C_P, C_local = n_L·α·C_P,
   window ±0.2 clipped to [0, 1].
@@ -211,16 +214,18 @@ class Stage1Row:
         )
 
 
-def n_local(a: Alloc, local_prefill: bool) -> int:
-    """Local prefill workers: one per encode GPU when local prefill is allowed."""
-    return a.encode if local_prefill else 0
+def n_local(a: Alloc, local_prefill: bool, local_tp: int = 1) -> int:
+    """Local prefill workers: one per ``local_tp`` encode GPUs when local prefill is allowed."""
+    return a.encode // local_tp if local_prefill else 0
 
 
-def capacities(a: Alloc, caps: StageCapacities, local_prefill: bool) -> tuple[float, float, float]:
+def capacities(
+    a: Alloc, caps: StageCapacities, local_prefill: bool, local_tp: int = 1
+) -> tuple[float, float, float]:
     """(Cap_E, Cap_P, Cap_D) of allocation ``a``."""
     c_p = caps.c_p[a.prefill_tp]
     cap_e = a.encode * caps.c_e
-    cap_p = a.prefill * c_p + n_local(a, local_prefill) * caps.alpha * c_p
+    cap_p = a.prefill * c_p + n_local(a, local_prefill, local_tp) * caps.alpha * c_p
     cap_d = a.decode * caps.c_d[a.decode_tp]
     return cap_e, cap_p, cap_d
 
@@ -235,22 +240,26 @@ def score_allocations(
     rate: float,
     *,
     local_prefill: bool = True,
+    local_tp: int = 1,
     prune_factor: float = PRUNE_FACTOR,
     top_k: int = TOP_K,
 ) -> list[Stage1Row]:
     """Score every allocation (max ρ), prune beyond ``prune_factor``× best, keep the top K.
 
-    Rows come back best score first; ties are broken by fewer GPUs, then by label, so the table
-    is deterministic.
+    Rows come back best score first. Equal scores (allocations sharing the same starved stage,
+    common when one decode worker bounds several layouts) are ordered by the remaining load
+    ratios, largest first (leximax): of two allocations with the same bottleneck, the one whose
+    next-busiest stage has more headroom is better balanced. Remaining ties go to fewer GPUs,
+    then the label, so the table is deterministic.
     """
     if rate <= 0:
         raise ValueError(f"target rate Λ must be > 0, got {rate}")
     scored: list[tuple[float, Alloc, tuple[float, float, float], dict[str, float]]] = []
     for a in allocs:
-        ce, cp, cd = capacities(a, caps, local_prefill)
+        ce, cp, cd = capacities(a, caps, local_prefill, local_tp)
         rho = {"E": _rho(rate, ce), "P": _rho(rate, cp), "D": _rho(rate, cd)}
         scored.append((max(rho.values()), a, (ce, cp, cd), rho))
-    scored.sort(key=lambda t: (t[0], t[1].gpus, t[1].label))
+    scored.sort(key=lambda t: (t[0], sorted(t[3].values(), reverse=True), t[1].gpus, t[1].label))
     if not scored:
         return []
     best = scored[0][0]
@@ -314,11 +323,11 @@ def b_max(rate: float, n_encode: int) -> int:
     return max(1, math.ceil(rate / n_encode - 1e-9))
 
 
-def s_star(a: Alloc, caps: StageCapacities, local_prefill: bool) -> float:
+def s_star(a: Alloc, caps: StageCapacities, local_prefill: bool, local_tp: int = 1) -> float:
     """s*(a) = C_remote / (C_remote + C_local): the offload ratio that balances both paths."""
     c_p = caps.c_p[a.prefill_tp]
     remote = a.prefill * c_p
-    local = n_local(a, local_prefill) * caps.alpha * c_p
+    local = n_local(a, local_prefill, local_tp) * caps.alpha * c_p
     return 1.0 if remote + local <= 0 else remote / (remote + local)
 
 
@@ -333,9 +342,9 @@ def seed_range(
     """
     bm = min(b_max(rate, a.encode), space.max_batch)
     b_seed = max(1, min(bm, caps.b_sat))
-    if not space.local_prefill:
+    if space.n_local(a) == 0:
         return SeedRange(a, bm, b_seed, 1.0, 1.0, 1.0, 1.0)
-    st = s_star(a, caps, True)
+    st = s_star(a, caps, True, space.local_tp)
     grid = s_grid(space.s_step, max(0.0, st - window), min(1.0, st + window))
     if not grid:  # window narrower than a grid step: take the nearest grid value
         grid = (snap_s(st, space.s_step),)
@@ -397,6 +406,7 @@ def decide(
         caps,
         rate,
         local_prefill=space.local_prefill,
+        local_tp=space.local_tp,
         prune_factor=prune_factor,
         top_k=top_k,
     )

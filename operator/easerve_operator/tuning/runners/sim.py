@@ -2,8 +2,8 @@
 
 The runtime may not import the operator, so the twin's runner returns a plain dict and its
 profiler its own ``Probe``; these adapters give HAS the ``TrialRunner`` / ``Profiler`` shapes
-(``TrialMetrics``; ``Probe`` is duck-typed: ``value`` and ``cost_s``). ``cost_s`` is virtual
-time: the device time a real trial or profile run would take.
+(``TrialMetrics``; ``Probe`` with ``value`` and ``cost_s``). ``cost_s`` is virtual time: the
+device time a real trial or profile run would take.
 """
 
 from __future__ import annotations
@@ -33,17 +33,55 @@ class SimRunner:
 
 
 class SimStageProfiler:
-    """``Profiler`` on the twin: each stage's worker class alone under a stress workload."""
+    """``Profiler`` on the twin: each stage's worker class alone under a stress workload.
+
+    α needs care. The twin's ``SimProfiler.local_prefill_efficiency`` measures the local worker
+    at the SM share it keeps *while a micro-batch encodes*. Under ``dynamic`` partitioning that
+    share is about 0 (the encoder takes the whole GPU for its batch), yet the local worker gets
+    the whole GPU whenever the encoder is idle, which at Λ far below C_E is most of the time.
+    Given the target ``rate``, this adapter therefore reports the time average over the
+    encoder's duty cycle u = min(1, Λ / C_E) (one encode worker taking all of Λ: the
+    conservative end):
+
+        α = (1 − u)·α_idle + u·α_busy,  α_idle = C_local(idle share) / C_P(min TP)
+
+    clipped to [0, 1]. The partition mode is the one the candidates will run with: the spec's,
+    or ``dynamic`` when the spec has none (see ``space.apply_candidate``). Without ``rate`` it
+    returns the twin's own (busy-share) α. ``alpha_parts`` keeps the pieces for the report.
+    """
 
     def __init__(
-        self, spec: EPDDeploymentSpec, requests: int = DEFAULT_PROFILE_REQUESTS, seed: int = 0
+        self,
+        spec: EPDDeploymentSpec,
+        requests: int = DEFAULT_PROFILE_REQUESTS,
+        seed: int = 0,
+        rate: float | None = None,
     ) -> None:
+        from easerve_runtime.config import OffloadSpec, PartitionMode
         from easerve_runtime.sim.profiler import SimProfiler
 
-        self._inner = SimProfiler(spec, n_requests=requests, seed=seed)
+        mode = spec.sm_partition.mode
+        if mode == PartitionMode.NONE:
+            mode = PartitionMode.DYNAMIC.value
+        local_spec = spec.model_copy(
+            update={
+                "offload": OffloadSpec(ratio=min(spec.offload.ratio, 0.5)),
+                "sm_partition": spec.sm_partition.model_copy(update={"mode": mode}),
+            }
+        )
+        self._inner = SimProfiler(local_spec, n_requests=requests, seed=seed)
+        self._local_spec = local_spec
+        self.rate = rate
+        self.alpha_parts: dict[str, float] = {}
 
     def min_tp(self) -> int:
         return int(self._inner.min_tp())
+
+    def local_prefill_tp(self) -> int:
+        """TP of the twin's local prefill worker: it spans that many encode GPUs."""
+        from easerve_runtime.sim import twin
+
+        return self.min_tp() if hasattr(twin, "local_prefill_tp") else 1
 
     def encode_throughput(self, batch: int) -> Probe:
         p = self._inner.encode_throughput(batch)
@@ -58,5 +96,19 @@ class SimStageProfiler:
         return Probe(float(p.value), float(p.cost_s))
 
     def local_prefill_efficiency(self) -> float | None:
-        a = self._inner.local_prefill_efficiency()
-        return None if a is None else float(a)
+        busy = self._inner.local_prefill_efficiency()
+        if busy is None or self.rate is None:
+            return None if busy is None else min(1.0, max(0.0, float(busy)))
+        from easerve_runtime.sim.shares import ShareModel
+
+        share, dilation = ShareModel(self._local_spec, self._inner.model, colocated=True).local_share(
+            None, True
+        )
+        c_p = self._inner.prefill_capacity(self.min_tp()).value
+        idle_cap = self._inner._prefill(self.local_prefill_tp(), max(share / dilation, 1e-3)).value
+        idle = idle_cap / c_p if c_p > 0 else 0.0
+        c_e = self._inner.encode_capacity()[0]
+        u = min(1.0, self.rate / c_e) if c_e > 0 else 1.0
+        alpha = (1.0 - u) * idle + u * float(busy)
+        self.alpha_parts = {"busy": float(busy), "idle": idle, "encoder_duty": u, "alpha": alpha}
+        return min(1.0, max(0.0, alpha))

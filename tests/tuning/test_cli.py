@@ -1,0 +1,104 @@
+"""``easerve tune`` on the twin: the JSON report's fields, the files it writes, and a real kill."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from easerve_operator.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+AUDIO = str(ROOT / "examples" / "ultravox-v0.6-27b.yaml")
+FAST = ["--backend", "sim", "--rate", "4", "--requests", "30", "--max-batch", "4", "--s-step", "0.25"]
+
+
+def test_cli_json_has_the_listed_fields(tmp_path, capsys):
+    rc = main(["tune", "-f", AUDIO, *FAST, "--budget", "4", "--seed", "1", "--out", str(tmp_path), "--json"])
+    assert rc == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in (
+        "best",
+        "stage1_table",
+        "trials",
+        "convergence",
+        "stop_reason",
+        "objective",
+        "rate",
+        "space",
+        "stage1",
+    ):
+        assert key in out, key
+    best = out["best"]
+    for key in ("allocation", "batch_bound", "offload_ratio", "metrics", "value", "trial"):
+        assert key in best, key
+    for key in ("throughput", "ttft_mean", "tpot_mean", "goodput"):
+        assert key in best["metrics"], key
+    assert set(best["metrics"]["goodput"]) == {"strict", "tight", "moderate", "loose", "relaxed"}
+    assert best["metrics"]["throughput"] > 0
+    row = out["stage1_table"][0]
+    for key in ("allocation", "cap_e", "cap_p", "cap_d", "score", "kept", "reason"):
+        assert key in row, key
+    assert 1 <= out["stage1"]["kept"] <= 3 and out["stage1"]["of"] == len(out["stage1_table"])
+    assert 1 <= out["n_trials"] <= 4
+    assert (tmp_path / "report.json").exists() and (tmp_path / "convergence.png").stat().st_size > 0
+    assert json.loads((tmp_path / "report.json").read_text())["best"] == best
+
+
+def test_cli_refuses_bad_input_naming_the_field(tmp_path, capsys):
+    assert main(["tune", "-f", AUDIO, *FAST, "--objective", "goodput@nope", "--out", str(tmp_path)]) == 2
+    assert "tier 'nope'" in capsys.readouterr().err
+    assert main(["tune", "-f", AUDIO, "--rate", "-1", "--out", str(tmp_path)]) == 2
+    assert "--rate" in capsys.readouterr().err
+
+
+def test_cli_resumes_after_sigkill(tmp_path):
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable,
+        "-m",
+        "easerve_operator.cli",
+        "tune",
+        "-f",
+        AUDIO,
+        *FAST,
+        "--budget",
+        "12",
+        "--seed",
+        "2",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    records = out / "trials.jsonl"
+
+    def trial_lines() -> list[dict]:
+        if not records.exists():
+            return []
+        return [d for d in map(json.loads, records.read_text().splitlines()) if d.get("kind") == "trial"]
+
+    deadline = time.monotonic() + 120
+    while len(trial_lines()) < 3 and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is not None:
+        pytest.fail(f"search ended before it could be killed: {proc.stderr.read().decode()[-2000:]}")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = trial_lines()
+    assert len(before) >= 3
+    rc = subprocess.run([*cmd, "--resume", "--json"], cwd=ROOT, env=env, capture_output=True, timeout=300)
+    assert rc.returncode == 0, rc.stderr.decode()[-2000:]
+    after = trial_lines()
+    assert after[: len(before)] == before  # nothing lost or rewritten
+    assert [d["number"] for d in after] == list(range(len(after)))  # nothing repeated, no gaps
+    real = [(d["allocation"], d["batch_bound"], d["offload_ratio"]) for d in after if not d["cached"]]
+    assert len(real) == len(set(real))
+    report = json.loads(rc.stdout)
+    assert len(report["trials"]) == len(after)
