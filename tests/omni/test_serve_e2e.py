@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -37,24 +38,24 @@ def _post(url: str, body: dict) -> dict:  # type: ignore[type-arg]
         return json.loads(r.read())
 
 
-def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
+def _start(*extra: str, command: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
+    cmd = command or [
+        sys.executable,
+        "-m",
+        "easerve_runtime.workers.omni",
+        "-f",
+        str(EXAMPLE),
+        "--host",
+        "127.0.0.1",
+        "--time-scale",
+        "0.25",
+        *extra,
+    ]
+    log = tempfile.TemporaryFile()  # noqa: SIM115 (lives as long as the server; not a pipe that can fill)
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "easerve_runtime.workers.omni",
-            "-f",
-            str(EXAMPLE),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--time-scale",
-            "0.25",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
+        [*cmd, "--port", str(port)],
+        stdout=log,
         stderr=subprocess.STDOUT,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
@@ -62,7 +63,8 @@ def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise AssertionError(proc.stdout.read().decode() if proc.stdout else "server exited")
+            log.seek(0)
+            raise AssertionError(log.read().decode(errors="replace"))
         try:
             urllib.request.urlopen(url + "/health", timeout=1).read()
             return proc, url
@@ -154,6 +156,25 @@ def test_calibrate_slo_writes_table_the_server_loads(server: str, tmp_path: Path
     try:
         served = json.loads(urllib.request.urlopen(url + "/v1/omni/slo", timeout=5).read())
         assert served["sloSeconds"] == pytest.approx(table.as_dict())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_easerve_serve_command_runs_the_omni_example() -> None:
+    """The real `easerve serve -f examples/qwen2.5-omni.yaml` path (real time, no time scaling)."""
+    proc, url = _start(command=[sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(EXAMPLE)])
+    try:
+        bodies = [{"messages": "hi", "priority": 0, "max_tokens": 4}] * 3
+        bodies += [{"messages": "hi", "priority": 10, "easerve": {"output_tokens": 4, "total_steps": 40}}] * 2
+        with ThreadPoolExecutor(5) as ex:
+            replies = list(ex.map(lambda b: _post(url, b), bodies))
+        assert sorted(r["easerve"]["class"] for r in replies) == ["audio", "audio", "text", "text", "text"]
+        m = urllib.request.urlopen(url + "/metrics", timeout=5).read().decode()
+        assert _metric(m, "easerve_omni_first_response_seconds_count", cls="text") == 3
+        assert _metric(m, "easerve_omni_first_response_seconds_count", cls="audio") == 2
+        for cls in ("text", "audio"):
+            assert 0.0 <= _metric(m, "easerve_omni_slo_attainment", cls=cls) <= 1.0
     finally:
         proc.terminate()
         proc.wait(timeout=10)
