@@ -130,3 +130,13 @@ def test_infeasible_local_prefill_is_an_error_not_ignored(tmp_path: Path, capsys
     y.write_text(text.replace("ratio: 1.0", "ratio: 0.5"))
     rc, _, err = run_cli(capsys, "-f", str(y), "--requests", "20", "--json")
     assert rc == 2 and "spec.offload.ratio" in err and "TP2" in err
+
+
+def test_omni_specs_are_delegated_to_sim_omni(capsys) -> None:
+    omni = EXAMPLES["llava-v1.6-34b"].parent / "qwen2.5-omni.yaml"
+    if not omni.exists():
+        pytest.skip("no omni example in this checkout")
+    pytest.importorskip("easerve_runtime.sim.omni", reason="sim.omni not built")
+    rc, out, _ = run_cli(capsys, "-f", str(omni), "--requests", "20", "--seed", "1", "--json")
+    assert rc == 0
+    assert "per_class" in json.loads(out)  # the omni twin's report, not the EPD one
