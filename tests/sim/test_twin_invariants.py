@@ -174,3 +174,20 @@ def test_aggregated_chunked_prefill_conserves_work_and_first_token_waits_for_the
     p = ToyProfile()
     expect = p.encode_s(2) + p.prefill_s(512, tp=2) * 2 + p.prefill_s(1276 - 1024, tp=2)
     assert rec.first_token_s == pytest.approx(expect, rel=1e-12)
+
+
+def test_all_local_prefill_with_an_odd_encoder_count_is_rejected_naming_the_field(llava_spec) -> None:
+    """Local prefill of a TP2 backbone on 3 encode GPUs leaves one GPU with nowhere to prefill."""
+    from easerve_runtime.config import Allocation, StageAllocation
+    from easerve_runtime.sim.runner import cached_model
+
+    a = Allocation(
+        encode=StageAllocation(replicas=3),
+        prefill=StageAllocation(replicas=0),
+        decode=StageAllocation(replicas=2, tensor_parallel=2),
+    )
+    spec = llava_spec.model_copy(
+        update={"allocation": a, "offload": llava_spec.offload.model_copy(update={"ratio": 0.0})}
+    )
+    with pytest.raises(ValueError, match="spec.allocation.encode.replicas"):
+        simulate(spec, generate(spec, 1.0, 5, seed=0), "easerve", model=cached_model(llava_spec))

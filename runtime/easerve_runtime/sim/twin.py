@@ -70,6 +70,11 @@ def run_pipeline(
     locals_: list[PrefillWorker] = []
     local_tp = local_prefill_tp(spec, model) if colocated else 1
     hosts = (a.encode.replicas // local_tp) * local_tp if colocated else 0
+    if colocated and hosts < a.encode.replicas and not remote:
+        raise ValueError(
+            f"spec.allocation.encode.replicas: {a.encode.replicas} encode GPUs do not divide into local prefill "
+            f"workers of TP{local_tp}, and with no remote prefill workers the rest could not prefill"
+        )
     for i in range(a.encode.replicas):
         local: PrefillWorker | None = None
         # a local worker of TP k spans k encode GPUs; leftover GPUs (n_E mod k) host none
