@@ -10,14 +10,19 @@ Runs ON the GPU machine and writes JSON + PNG to ``--out`` (default ``benchmarks
 - ``nvml_trace.json``: a memory-activity trace (idle / encoder / prefill / copy) for CPU fixtures.
 
 Ablation: a Poisson stream of encode items (micro-batch = everything pending, up to B, so batch
-sizes vary with the arrivals) shares the GPU with a closed-loop local prefill stream (2048 tokens
-through 8 Llama-like layers, one graph per layer so the prefill can follow the partition at layer
-boundaries). Systems, side by side in one run: (i) no partition (two plain streams), (ii) static
-50/50 green split, (iii) dynamic per-micro-batch split from the knee table measured above (the
-prefill takes the complement while a micro-batch runs and the whole GPU between them).
+sizes vary with the arrivals) shares the GPU with a local prefill (2048 tokens through 8
+Llama-7B-shaped layers, one graph per layer so it can follow the partition at layer boundaries),
+either closed-loop (always backlogged) or as a pipeline (a fraction ``--local-frac`` = 1 - s of
+the requests prefill locally after their encode). Systems, side by side in one run: none (plain
+streams), priority (plain streams, high-priority encode stream), static 50/50 green split,
+dynamic per-micro-batch split from the knee table (the prefill takes the disjoint complement
+while a micro-batch runs and the whole GPU between them), and dynamic with looser epsilons.
 
-    python benchmarks/partition_bench.py --out $OUT            # everything (~6 min on an H200)
-    python benchmarks/partition_bench.py --quick --out $OUT    # smoke (~1.5 min)
+    PYTHONPATH=runtime python3 benchmarks/partition_bench.py --out $OUT            # all (~5 min on an H200)
+    PYTHONPATH=runtime python3 benchmarks/partition_bench.py --quick --out $OUT    # smoke (~1.5 min)
+
+The device image lacks pydantic (imported by ``easerve_runtime.policies``): install it from
+wheels carried in ``.devwheels`` first (see docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -117,17 +123,30 @@ def other_encoders(args: argparse.Namespace, torch: Any, pool: Any, res: dict[st
 
 # ----------------------------------------------------------------------------------- ablation
 class Prefill:
-    """Closed-loop local prefill; the stream for each layer comes from ``choose(i)``."""
+    """Local prefill on its own thread; the stream for each layer comes from ``choose(i)``.
 
-    def __init__(self, torch: Any, model: Any) -> None:
+    ``queue is None``: closed loop (always backlogged). Otherwise it pops request arrival times
+    from ``queue`` (fed by the encode loop) and records each request's completion time.
+    """
+
+    def __init__(self, torch: Any, model: Any, queue: deque[float] | None = None) -> None:
         self.torch, self.model = torch, model
+        self.queue = queue
         self.done = 0
+        self.finished: list[tuple[float, float]] = []  # (arrival, finish) in run-relative seconds
         self.stop = False
+        self.t0 = 0.0
 
     def loop(self, choose: Any) -> None:
         torch = self.torch
         prev_ev = None
         while not self.stop:
+            arrival = None
+            if self.queue is not None:
+                if not self.queue:
+                    time.sleep(50e-6)
+                    continue
+                arrival = self.queue.popleft()
             for i in range(self.model.shape.layers):
                 s = choose(i)
                 while s is None and not self.stop:  # partner has no SMs right now: wait
@@ -143,6 +162,8 @@ class Prefill:
                 ev.synchronize()  # at most one layer in flight: the partition can move between layers
                 prev_ev = ev
             self.done += 1
+            if arrival is not None:
+                self.finished.append((arrival, time.perf_counter() - self.t0))
 
 
 def run_mode(
@@ -157,14 +178,17 @@ def run_mode(
     bmax: int,
     seed: int,
     static_sms: int,
+    local_frac: float | None = None,
 ) -> dict[str, Any]:
+    """One system at one rate. ``local_frac=None``: closed-loop prefill; else each request's
+    prefill runs locally with probability ``local_frac`` after its encode (the EPD pipeline)."""
     total = pool.total_sms
     state = {"enc_sms": 0}
-    plain_enc = pool.full_primary
+    plain_enc = pool.high_priority if mode == "priority" else pool.full_primary
     plain_pre = pool.full_partner
 
     def enc_stream(n: int) -> tuple[Any, int]:
-        if mode == "none":
+        if mode in ("none", "priority"):
             return plain_enc, total
         if mode == "static":
             return pool.primary(static_sms), static_sms
@@ -172,7 +196,7 @@ def run_mode(
         return pool.primary(sms), sms
 
     def choose(_i: int) -> Any:
-        if mode == "none":
+        if mode in ("none", "priority"):
             return plain_pre
         if mode == "static":
             return pool.partner(static_sms)
@@ -184,23 +208,31 @@ def run_mode(
         return pool.partner(sms)
 
     rng = random.Random(seed)
-    arrivals, t = [], 0.0
+    arrivals, local, t = [], [], 0.0
     while t < seconds:
         t += rng.expovariate(rate)
         arrivals.append(t)
-    pf = Prefill(torch, prefill)
+        local.append(local_frac is not None and rng.random() < local_frac)
+    q: deque[float] | None = deque() if local_frac is not None else None
+    pf = Prefill(torch, prefill, q)
     th = threading.Thread(target=pf.loop, args=(choose,), daemon=True)
     lat: list[float] = []
+    remote_done: list[float] = []
     sizes: list[int] = []
     levels: dict[int, int] = {}
-    warm = 0.5
-    th.start()
-    time.sleep(warm)
+    if q is None:
+        th.start()
+        time.sleep(0.5)  # let the closed-loop prefill reach steady state
     done0 = pf.done
     t0 = time.perf_counter()
+    pf.t0 = t0
+    if q is not None:
+        th.start()
     i = 0
     while i < len(arrivals):
         now = time.perf_counter() - t0
+        if now > seconds:  # overloaded systems leave a backlog: it counts as not served
+            break
         if arrivals[i] > now:
             time.sleep(max(0.0, arrivals[i] - now - 50e-6))
             continue
@@ -216,7 +248,13 @@ def run_mode(
         ev.synchronize()
         state["enc_sms"] = 0
         fin = time.perf_counter() - t0
-        lat += [fin - a for a in arrivals[i:j]]
+        for k in range(i, j):
+            lat.append(fin - arrivals[k])
+            if q is not None:
+                if local[k]:
+                    q.append(arrivals[k])
+                else:
+                    remote_done.append(fin - arrivals[k])
         sizes.append(n)
         levels[sms] = levels.get(sms, 0) + 1
         i = j
@@ -225,11 +263,12 @@ def run_mode(
     pf.stop = True
     th.join()
     torch.cuda.synchronize()
-    return {
+    out: dict[str, Any] = {
         "mode": mode,
         "rate": rate,
         "seconds": round(elapsed, 3),
         "items": len(lat),
+        "arrived": len(arrivals),
         "encodeMeanMs": round(statistics.mean(lat) * 1e3, 3),
         "encodeP50Ms": round(pct(lat, 0.5) * 1e3, 3),
         "encodeP99Ms": round(pct(lat, 0.99) * 1e3, 3),
@@ -239,6 +278,14 @@ def run_mode(
         "levelUse": {str(k): v for k, v in sorted(levels.items())},
         "prefillPerS": round(prefills / elapsed, 3),
     }
+    if q is not None:
+        local_lat = [f - a for a, f in pf.finished]
+        out["localFrac"] = local_frac
+        out["localBacklogAtEnd"] = len(q)
+        out["requestsPerS"] = round((len(remote_done) + len(local_lat)) / elapsed, 2)
+        out["localTtftMeanMs"] = round(statistics.mean(local_lat) * 1e3, 2) if local_lat else None
+        out["localTtftP99Ms"] = round(pct(local_lat, 0.99) * 1e3, 2) if local_lat else None
+    return out
 
 
 def ablation(
@@ -268,16 +315,17 @@ def ablation(
     log(f"ablation: encode levels {sorted(need)}; capturing graphs")
     carve_any = any(use_carve.values())
     for sms in sorted(need):
-        s = pool.primary(sms)
-        for b in buckets:
-            if sms < total and use_carve.get(sms, carve_any):
-                set_carveout(torch, total - sms)
-            try:
-                encg.capture(b, s)
-            finally:
-                set_carveout(torch, None)
+        streams = [pool.primary(sms)] + ([pool.high_priority] if sms == total else [])
+        for s in streams:
+            for b in buckets:
+                if sms < total and use_carve.get(sms, carve_any):
+                    set_carveout(torch, total - sms)
+                try:
+                    encg.capture(b, s)
+                finally:
+                    set_carveout(torch, None)
     prefill = LlamaPrefill(tokens=args.prefill_tokens)
-    partner_streams = {pool.full_partner: None}
+    partner_streams: dict[Any, int | None] = {pool.full_partner: None}
     for sms in need:
         if 0 < sms < total:
             partner_streams[pool.partner(sms)] = total - sms
@@ -297,87 +345,130 @@ def ablation(
         b: time_replays(torch, lambda b=b: encg.run(b, pool.full_primary), pool.full_primary, 10, 2)
         for b in buckets
     }
+    enc_cap = max(b / t for b, t in solo_enc.items())  # items/s the encoder sustains alone, batched
     res["ablationSolo"] = {
         "prefillMs": round(solo_prefill * 1e3, 3),
         "prefillTflops": round(prefill.flops / solo_prefill / 1e12, 1),
         "encodeMs": {b: round(t * 1e3, 3) for b, t in solo_enc.items()},
+        "encodeCapacityItemsPerS": round(enc_cap, 1),
     }
     log(f"solo: {res['ablationSolo']}")
+    modes = ["none", "priority", "static", *tables]
     rows = []
-    for rate in args.rates:
-        for mode in ["none", "static", *tables]:
-            split = EncodeBatchSplit(tables.get(mode, table))
-            r = run_mode(
-                mode if not mode.startswith("dynamic") else "dynamic",
-                torch,
-                pool,
-                encg,
-                prefill,
-                split,
-                rate,
-                args.seconds,
-                args.bmax,
-                args.seed,
-                static_sms,
-            )
-            r["mode"] = mode
-            # encode capacity at the observed mean micro-batch, from the solo full-GPU latency
-            b = encg.bucket(max(1, round(r["meanMicroBatch"])))
-            enc_cap = b / solo_enc[b]
-            r["prefillShareOfSolo"] = round(r["prefillPerS"] * solo_prefill, 4)
-            r["encodeShareOfSolo"] = round(r["encodeItemsPerS"] / enc_cap, 4)
-            r["totalThroughput"] = round(r["prefillShareOfSolo"] + r["encodeShareOfSolo"], 4)
-            log(
-                f"rate {rate:5.0f} {mode:14s} enc mean {r['encodeMeanMs']:7.2f} p99 {r['encodeP99Ms']:7.2f} ms "
-                f"| prefill {r['prefillPerS']:6.2f}/s | total {r['totalThroughput']:.3f} | levels {r['levelUse']}"
-            )
-            rows.append(r)
+    for variant, rates, local_frac in (
+        ("closed-loop", args.rates, None),
+        ("pipeline", args.pipeline_rates, args.local_frac),
+    ):
+        for rate in rates:
+            for mode in modes:
+                for rep in range(args.repeats):
+                    split = EncodeBatchSplit(tables.get(mode, table))
+                    r = run_mode(
+                        "dynamic" if mode.startswith("dynamic") else mode,
+                        torch,
+                        pool,
+                        encg,
+                        prefill,
+                        split,
+                        rate,
+                        args.seconds,
+                        args.bmax,
+                        args.seed + rep,
+                        static_sms,
+                        local_frac,
+                    )
+                    r["mode"], r["variant"], r["repeat"] = mode, variant, rep
+                    # work-normalised throughput: each stream's rate over what it sustains alone
+                    r["prefillShareOfSolo"] = round(r["prefillPerS"] * solo_prefill, 4)
+                    r["encodeShareOfSolo"] = round(r["encodeItemsPerS"] / enc_cap, 4)
+                    r["totalThroughput"] = round(r["prefillShareOfSolo"] + r["encodeShareOfSolo"], 4)
+                    log(
+                        f"{variant} rate {rate:5.0f} {mode:14s} enc mean {r['encodeMeanMs']:8.2f} p99 "
+                        f"{r['encodeP99Ms']:8.2f} ms | prefill {r['prefillPerS']:6.2f}/s | total "
+                        f"{r['totalThroughput']:.3f} | req/s {r.get('requestsPerS')} ttft p99 "
+                        f"{r.get('localTtftP99Ms')} | levels {r['levelUse']}"
+                    )
+                    rows.append(r)
     res["ablation"] = {
         "staticSMs": static_sms,
         "bmax": args.bmax,
         "prefillTokens": args.prefill_tokens,
+        "localFrac": args.local_frac,
         "rows": rows,
     }
-    for rate in args.rates:
-        by = {r["mode"]: r for r in rows if r["rate"] == rate}
-        d = by["dynamic"]
-        cmp = {}
-        for base in ("none", "static"):
-            o = by[base]
-            cmp[f"dynamic_vs_{base}"] = {
-                "throughput": round(d["totalThroughput"] / o["totalThroughput"] - 1, 4),
-                "p99": round(d["encodeP99Ms"] / o["encodeP99Ms"] - 1, 4),
-                "mean": round(d["encodeMeanMs"] / o["encodeMeanMs"] - 1, 4),
-            }
-        res["ablation"].setdefault("ratios", {})[str(rate)] = cmp
-        log(f"rate {rate}: {cmp}")
+    ratios: dict[str, Any] = {}
+    for variant in ("closed-loop", "pipeline"):
+        vrows = [r for r in rows if r["variant"] == variant]
+        for rate in sorted({r["rate"] for r in vrows}):
+
+            def avg(mode: str, key: str, rate: float = rate, vrows: list[dict[str, Any]] = vrows) -> float:
+                xs = [
+                    r[key]
+                    for r in vrows
+                    if r["rate"] == rate and r["mode"] == mode and r.get(key) is not None
+                ]
+                return statistics.mean(xs) if xs else float("nan")
+
+            cmp = {}
+            tput = "requestsPerS" if variant == "pipeline" else "totalThroughput"
+            for base in ("none", "priority", "static"):
+                cmp[f"dynamic_vs_{base}"] = {
+                    "throughput": round(avg("dynamic", tput) / avg(base, tput) - 1, 4),
+                    "encodeP99": round(avg("dynamic", "encodeP99Ms") / avg(base, "encodeP99Ms") - 1, 4),
+                    "encodeMean": round(avg("dynamic", "encodeMeanMs") / avg(base, "encodeMeanMs") - 1, 4),
+                }
+                if variant == "pipeline":
+                    cmp[f"dynamic_vs_{base}"]["localTtftP99"] = round(
+                        avg("dynamic", "localTtftP99Ms") / avg(base, "localTtftP99Ms") - 1, 4
+                    )
+            ratios[f"{variant}@{rate:g}"] = cmp
+            log(f"{variant} rate {rate}: {cmp}")
+    res["ablation"]["ratios"] = ratios
     plot_ablation(rows, args.out / "partition_ablation.png")
 
 
 def plot_ablation(rows: list[dict[str, Any]], path: Path) -> None:
+    """Row 1: closed-loop prefill; row 2: the EPD pipeline. Bars average the repeats."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rates = sorted({r["rate"] for r in rows})
+    panels = {
+        "closed-loop": (
+            ("encodeP99Ms", "encode P99 (ms)"),
+            ("encodeMeanMs", "encode mean (ms)"),
+            ("totalThroughput", "total throughput (share of solo)"),
+        ),
+        "pipeline": (
+            ("encodeP99Ms", "encode P99 (ms)"),
+            ("localTtftP99Ms", "local-prefill request P99 (ms)"),
+            ("requestsPerS", "completed requests/s"),
+        ),
+    }
+    fig, axes = plt.subplots(2, 3, figsize=(14, 8))
     modes = list(dict.fromkeys(r["mode"] for r in rows))
-    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
-    w = 0.8 / len(modes)
-    for k, m in enumerate(modes):
-        xs = [i + k * w for i in range(len(rates))]
-        get = {r["rate"]: r for r in rows if r["mode"] == m}
-        axes[0].bar(xs, [get[x]["encodeP99Ms"] for x in rates], w, label=m)
-        axes[1].bar(xs, [get[x]["encodeMeanMs"] for x in rates], w, label=m)
-        axes[2].bar(xs, [get[x]["totalThroughput"] for x in rates], w, label=m)
-    for ax, t in zip(
-        axes, ("encode P99 (ms)", "encode mean (ms)", "total throughput (share of solo)"), strict=True
-    ):
-        ax.set_xticks([i + 0.4 - w / 2 for i in range(len(rates))], [f"{r:g} items/s" for r in rates])
-        ax.set_title(t)
-        ax.grid(alpha=0.3, axis="y")
-    axes[0].set_yscale("log")
-    axes[2].legend(fontsize=8)
+    w = 0.8 / max(1, len(modes))
+    for row_ax, (variant, keys) in zip(axes, panels.items(), strict=True):
+        vrows = [r for r in rows if r.get("variant") == variant]
+        rates = sorted({r["rate"] for r in vrows})
+        for ax, (key, title) in zip(row_ax, keys, strict=True):
+            for k, m in enumerate(modes):
+                ys = []
+                for rate in rates:
+                    xs = [
+                        r[key]
+                        for r in vrows
+                        if r["rate"] == rate and r["mode"] == m and r.get(key) is not None
+                    ]
+                    ys.append(statistics.mean(xs) if xs else 0.0)
+                ax.bar([i + k * w for i in range(len(rates))], ys, w, label=m)
+            ax.set_xticks([i + 0.4 - w / 2 for i in range(len(rates))], [f"{r:g}/s" for r in rates])
+            ax.set_title(f"{variant}: {title}", fontsize=9)
+            ax.grid(alpha=0.3, axis="y")
+            if "P99" in title or "mean" in title:
+                ax.set_yscale("log")
+        row_ax[2].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -443,21 +534,28 @@ def nvml_trace(args: argparse.Namespace, torch: Any, pool: Any, enc: Any, res: d
     y = torch.empty_like(x)
     t0 = time.monotonic()
 
+    last_gpm = {"t": 0.0, "v": float("nan")}
+
     def phase(name: str, active: bool, seconds: float, work: Any) -> None:
         end = time.monotonic() + seconds
         nxt = time.monotonic()
         while time.monotonic() < end:
             if work:
                 work()
-            if time.monotonic() >= nxt:
+                torch.cuda.synchronize()
+            now = time.monotonic()
+            if now >= nxt:
                 t1 = time.perf_counter()
                 u = sm.sample()
                 cost = time.perf_counter() - t1
+                if now - last_gpm["t"] >= 0.1:  # GPM needs >= ~100 ms between samples
+                    v = gpm.gpm_dram_bw() if gpm.gpm else None
+                    last_gpm["t"], last_gpm["v"] = now, float("nan") if v is None else v
                 samples.append(
                     {
-                        "t": round(time.monotonic() - t0, 4),
+                        "t": round(now - t0, 4),
                         "memory": u,
-                        "gpmDramBw": round(gpm.sample(), 2),
+                        "gpmDramBw": round(last_gpm["v"], 2),
                         "downstreamActive": active,
                         "phase": name,
                         "sampleUs": round(cost * 1e6, 1),
@@ -466,11 +564,11 @@ def nvml_trace(args: argparse.Namespace, torch: Any, pool: Any, enc: Any, res: d
                 nxt += 0.01
         torch.cuda.synchronize()
 
-    phase("idle", False, 0.4, None)
-    phase("encoder", False, 0.6, lambda: g.run(8, s))
-    phase("copy", True, 0.6, lambda: y.copy_(x))
-    phase("encoder+copy", True, 0.6, lambda: (g.run(8, s), y.copy_(x)))
-    phase("idle", False, 0.3, None)
+    phase("idle", False, 1.0, None)
+    phase("encoder", False, 1.5, lambda: g.run(8, s))
+    phase("copy", True, 1.5, lambda: y.copy_(x))
+    phase("encoder+copy", True, 1.5, lambda: (g.run(8, s), y.copy_(x)))
+    phase("idle", False, 1.0, None)
     trace = {
         "source": f"recorded on {torch.cuda.get_device_properties(0).name} by benchmarks/partition_bench.py",
         "periodS": 0.01,
@@ -494,12 +592,20 @@ def main() -> int:
     ap.add_argument("--epsilon", type=float, default=0.1)
     ap.add_argument("--extra-epsilon", type=float, nargs="*", default=[0.3])
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--rates", type=float, nargs="+", default=[300.0, 600.0])
+    ap.add_argument(
+        "--rates", type=float, nargs="*", default=[300.0, 600.0], help="closed-loop encode items/s"
+    )
+    ap.add_argument(
+        "--pipeline-rates", type=float, nargs="+", default=[120.0, 200.0], help="pipeline requests/s"
+    )
+    ap.add_argument("--local-frac", type=float, default=0.45, help="1 - s: share of prefills run locally")
+    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--bmax", type=int, default=16)
     ap.add_argument("--static-sms", type=int, default=64)
     ap.add_argument("--prefill-tokens", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--table", type=Path, default=None, help="reuse this knee table JSON (skips the knee)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument(
         "--skip", nargs="*", default=[], help="sections to skip: knee others trace ablation calibration"
@@ -507,6 +613,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.quick:
         args.levels, args.reps, args.rates, args.seconds = [32, 64, 96, 128], 5, [400.0], 2.0
+        args.pipeline_rates = [150.0]
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
 
@@ -528,6 +635,15 @@ def main() -> int:
         f"pool {res['pool']['mode']} disjoint={pool.disjoint} in {res['poolCreateS']} s: {res['pool']['levels']}"
     )
     table = use_carve = enc = None
+    if args.table is not None:  # reuse a knee table measured earlier instead of profiling again
+        from easerve_runtime.engines.torch_encode import build_encoder
+
+        data = json.loads(args.table.read_text())
+        table = PartitionTable.from_dict(data)
+        use_carve = {int(k): bool(v) for k, v in data.get("carveout", {}).items()}
+        enc = build_encoder(args.encoder)
+        args.skip = [*args.skip, "knee"]
+        res["tableFrom"] = str(args.table)
     sections = [s for s in ("knee", "trace", "ablation", "calibration", "others") if s not in args.skip]
     for sec in sections:
         t = time.perf_counter()

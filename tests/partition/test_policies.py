@@ -100,26 +100,24 @@ def test_ladder_helpers() -> None:
     assert e.update(10) == 10 and e.update(20) == pytest.approx(14.0)
 
 
-def _trace() -> list[dict[str, float]]:
-    return json.loads((FIX / "nvml_memory_trace.json").read_text())["samples"]
+def _trace() -> list[dict[str, object]]:
+    """NVML memory activity recorded on the H200 (idle / encoder / copy / encoder+copy / idle)."""
+    return json.loads((FIX / "nvml_memory_trace_h200.json").read_text())["samples"]
 
 
-def _run_throttle(
-    step: float | None = None,
-) -> tuple[BandwidthThrottle, list[tuple[float, bool, int, float]]]:
+def _run_throttle(step: float | None = None) -> tuple[BandwidthThrottle, list[tuple[str, bool, int, float]]]:
     th = BandwidthThrottle(ladder=(40, 56, 72, 88), s_aggr=120, total_sms=132, b_sat=80.0, step=step)
     out = []
     for s in _trace():
-        th.observe(s["memory"])
-        d = th.decide(bool(s["downstreamActive"]), now=s["t"])
+        active = bool(s["downstreamActive"])
+        th.observe(float(s["memory"]))  # type: ignore[arg-type]
+        d = th.decide(active, now=float(s["t"]))  # type: ignore[arg-type]
         assert d.primary_sms + d.partner_sms == 132
-        out.append(
-            (s["t"], bool(s["downstreamActive"]), d.primary_sms, th.target(bool(s["downstreamActive"])))
-        )
+        out.append((str(s["phase"]), active, d.primary_sms, th.target(active)))
     return th, out
 
 
-def test_throttle_follows_eq1_on_trace() -> None:
+def test_throttle_follows_eq1_on_recorded_trace() -> None:
     th, out = _run_throttle()
     for _, active, sms, raw in out:
         if not active:
@@ -127,20 +125,23 @@ def test_throttle_follows_eq1_on_trace() -> None:
         else:
             assert 40 <= sms <= 88 and sms in th.ladder  # bounded ladder, never full allocation
             assert abs(sms - raw) < th.step + 1e-9  # within one ladder step of Eq. 1's target
-    high = [sms for _, a, sms, _ in out[70:110] if a]  # copy-like pressure -> S_cap
-    assert high[-1] == 88
-    mid = [sms for _, a, sms, _ in out[50:70] if a]  # ViT-like ~36% / 80 -> rho~0.45 -> ~62 SMs
-    assert set(mid) <= {56, 72}
+    copy = [sms for phase, _, sms, _ in out if phase == "copy"]
+    assert copy[-1] == 88  # the D2D copy saturates memory activity: rho -> 1 -> S_cap
+    both = [sms for phase, _, sms, _ in out if phase == "encoder+copy"]
+    assert both[-1] < copy[-1]  # lower pressure once the encoder shares the bus: the cap comes down
+    assert any(a for _, a, _, _ in out) and any(not a for _, a, _, _ in out)
 
 
 def test_throttle_hysteresis_limits_changes() -> None:
     _, out = _run_throttle()
     changes = sum(1 for a, b in zip(out, out[1:], strict=False) if a[2] != b[2])
-    # a plain snap of the raw target flips between neighbours on noise; hysteresis must not
+    # a plain snap of the raw target flips between neighbours whenever it sits near a midpoint
     raw_snaps = [snap(raw, (40, 56, 72, 88)) if act else 120 for _, act, _, raw in out]
     raw_changes = sum(1 for a, b in zip(raw_snaps, raw_snaps[1:], strict=False) if a != b)
-    assert changes < raw_changes
-    assert changes <= 12
+    assert changes <= raw_changes
+    _, coarse = _run_throttle(step=32)
+    coarse_changes = sum(1 for a, b in zip(coarse, coarse[1:], strict=False) if a[2] != b[2])
+    assert coarse_changes <= changes  # a wider hysteresis band never changes the cap more often
 
 
 def test_throttle_validation() -> None:

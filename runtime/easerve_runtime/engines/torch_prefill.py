@@ -85,7 +85,7 @@ class LlamaPrefill:
         s, t = self.shape, self.tokens
         d = s.hidden // s.heads
         per_layer = 2 * t * s.hidden * ((s.heads + 2 * s.kv_heads) * d + s.hidden + 3 * s.ffn)
-        per_layer += 2 * 2 * s.heads * d * t * t / 2
+        per_layer += 2 * s.heads * d * t * t  # QK^T and PV, causal half: 2 * 2 * h * d * t^2 / 2
         return float(per_layer * s.layers)
 
     def capture(self, stream: Any) -> None:

@@ -149,6 +149,7 @@ class GreenContextPool:
         self.total_sms = int(props.multi_processor_count)
         self.full_primary = torch.cuda.Stream(device=device, priority=priority)
         self.full_partner = torch.cuda.Stream(device=device)
+        self.high_priority = torch.cuda.Stream(device=device, priority=-5)  # clamped to the highest
         self.levels: dict[int, GreenLevel] = {}
         self.disjoint = True
         self.mode = "cuda.bindings"

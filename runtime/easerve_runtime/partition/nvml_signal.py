@@ -3,12 +3,14 @@
 ``nvmlDeviceGetUtilizationRates().memory`` (percent of time the memory controller was busy over
 the driver's sample window) costs 2-4 us a call. Where GPM is supported (Hopper), the DRAM
 bandwidth utilisation metric is closer to achieved bandwidth but a sample pair costs ~1 ms, so
-the controller reads it on its own cadence, never per micro-batch. ``.gpu`` is useless here: it
+the controller reads it on its own cadence, never per micro-batch; pairs closer than ~100 ms
+apart read NaN on the H200, and then this falls back to ``utilization.memory`` for that read. ``.gpu`` is useless here: it
 reads 100% even when work is confined to 16 SMs.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import Any
 
@@ -64,7 +66,7 @@ class MemoryActivitySampler:
         if self.gpm:
             try:
                 v = self.gpm_dram_bw()
-                if v is not None:
+                if v is not None and math.isfinite(v):  # too short an interval reads NaN
                     return v
             except Exception:
                 self.gpm = False
