@@ -123,5 +123,14 @@ def install_stop_handlers(on_stop: Callable[[], None]) -> None:
 
 def is_unavailable(exc: BaseException) -> bool:
     """Whether a Dynamo call failed before reaching the instance (safe to retry elsewhere)."""
-    msg = str(exc)
-    return "TCP connection" in msg and "failed" in msg or "no instances" in msg.lower()
+    msg = str(exc).lower()
+    return any(sig in msg for sig in _NOT_REACHED)
+
+
+_NOT_REACHED = (
+    "tcp connection to",  # "Unavailable: TCP connection to 127.0.0.1:N failed": nothing listens
+    "before response stream was established",  # the instance was shutting down and refused it
+    "connection refused",
+    "no instances",
+)
+"""Dynamo error texts meaning the request never reached a handler (1.6.1 wording)."""
