@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+from typing import Any
 
 import pytest
 from easerve_runtime.bench.payloads import mp4, png, wav
@@ -17,8 +18,8 @@ from easerve_runtime.workers.openai import (
 NAMES = ("llava", "llava-hf/llava-v1.6-34b-hf")
 
 
-def body(*parts: dict, **kw: object) -> dict:
-    b = {
+def body(*parts: dict[str, Any], **kw: object) -> dict[str, Any]:
+    b: dict[str, Any] = {
         "model": "llava",
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, *parts]}],
     }

@@ -169,7 +169,7 @@ def post(url: str, body: bytes) -> tuple[int, dict[str, Any]]:
 def test_bad_input_gets_4xx_with_message(served: Served) -> None:
     status, body = post(served.url, b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
-    bad = {
+    bad: dict[str, Any] = {
         "model": "llava-hf/llava-v1.6-34b-hf",
         "messages": [{"role": "user", "content": [{"type": "audio_file"}]}],
     }
@@ -187,7 +187,10 @@ def test_non_streaming_response(served: Served) -> None:
 
     url = "data:image/png;base64," + base64.b64encode(png(64, 64)).decode()
     content = [{"type": "text", "text": "describe"}, {"type": "image_url", "image_url": {"url": url}}]
-    body = {"model": "llava-hf/llava-v1.6-34b-hf", "messages": [{"role": "user", "content": content}]}
+    body: dict[str, Any] = {
+        "model": "llava-hf/llava-v1.6-34b-hf",
+        "messages": [{"role": "user", "content": content}],
+    }
     body |= {"max_tokens": 5, "seed": 11, "priority": 7}
     status, out = post(served.url, json.dumps(body).encode())
     assert status == 200, out
@@ -212,7 +215,10 @@ async def _stream_many(url: str, n: int, max_tokens: int, started: asyncio.Event
     async def one(session: aiohttp.ClientSession, i: int) -> dict[str, Any]:
         nonlocal first
         content = [{"type": "text", "text": f"q{i}"}, {"type": "image_url", "image_url": {"url": img}}]
-        body = {"model": "llava-hf/llava-v1.6-34b-hf", "messages": [{"role": "user", "content": content}]}
+        body: dict[str, Any] = {
+            "model": "llava-hf/llava-v1.6-34b-hf",
+            "messages": [{"role": "user", "content": content}],
+        }
         body |= {"max_tokens": max_tokens, "stream": True}
         tokens, error = 0, None
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:

@@ -116,7 +116,8 @@ async def drive(n: int, s: EPDDeploymentSpec, max_tokens: int = 3, gap: float = 
     remote_pool = FakePool({1: remote.generate}, "prefill")
     local_pool = FakePool({2: local.generate}, "local prefill")
     enc = EncodeWorker(s, eng, m, remote_pool, local_pool)
-    loops = [asyncio.create_task(w.run()) for w in (enc, remote, local, *decode_workers.values())]
+    runs = [enc.run(), remote.run(), local.run(), *(w.run() for w in decode_workers.values())]
+    loops = [asyncio.create_task(r) for r in runs]
 
     async def one(i: int) -> list[dict[str, Any]]:
         req = {"id": f"r{i}", "seed": i, "text_tokens": 10, "max_tokens": max_tokens, "parts": [png_part()]}

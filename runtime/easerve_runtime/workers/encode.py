@@ -30,7 +30,7 @@ from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.batcher import Dispatch, make_batcher
 from easerve_runtime.policies.envelope import SendWindow, build_envelopes
 from easerve_runtime.policies.router import DeficitRouter, Route
-from easerve_runtime.workers.pool import Pool, StageError
+from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.streams import Streams
 from easerve_runtime.workers.wire import b64e, part_from_wire, request_meta
 
@@ -60,8 +60,8 @@ class EncodeWorker:
         spec: EPDDeploymentSpec,
         engine: EncodeEngine,
         metrics: Metrics,
-        remote: Pool | None,
-        local: Pool | None,
+        remote: StagePool | None,
+        local: StagePool | None,
         *,
         clock: Callable[[], float] = time.monotonic,
         send_window: int = SEND_WINDOW,

@@ -23,7 +23,7 @@ from aiohttp import web
 from easerve_runtime.config import RuntimeConfig
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.workers.openai import MAX_BODY_BYTES, ChatRequest, RequestError, parse_chat_request
-from easerve_runtime.workers.pool import Pool, StageError
+from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import part_to_wire
 
 log = logging.getLogger("easerve.frontend")
@@ -44,7 +44,7 @@ def _error_body(status: int, message: str, kind: str | None = None) -> dict[str,
 class Frontend:
     stage = "frontend"
 
-    def __init__(self, cfg: RuntimeConfig, encode: Pool | None, metrics: Metrics) -> None:
+    def __init__(self, cfg: RuntimeConfig, encode: StagePool | None, metrics: Metrics) -> None:
         self.cfg = cfg
         self.spec = cfg.spec
         self.encode = encode

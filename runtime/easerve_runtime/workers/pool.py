@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, Protocol
 
 from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.workers.dynamo_rt import is_unavailable
@@ -31,6 +31,19 @@ class StageError(RuntimeError):
     def __init__(self, message: str, retryable: bool = False) -> None:
         super().__init__(message)
         self.retryable = retryable
+
+
+class StagePool(Protocol):
+    """What workers need from a pool of downstream instances (tests substitute their own)."""
+
+    name: str
+    outstanding: dict[int, int]
+
+    def instances(self) -> list[int]: ...
+
+    def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int: ...
+
+    def stream(self, request: Any, instance: int | None = None, weight: int = 1) -> AsyncIterator[Any]: ...
 
 
 class Pool:

@@ -18,7 +18,7 @@ from typing import Any
 from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
-from easerve_runtime.workers.pool import Pool, StageError
+from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.prefill")
@@ -32,7 +32,7 @@ class PrefillWorker:
         self,
         engine: PrefillEngine,
         metrics: Metrics,
-        decode: Pool,
+        decode: StagePool,
         *,
         stage: str = "prefill",
         max_batch_tokens: int = MAX_BATCH_TOKENS,
