@@ -15,7 +15,7 @@ For each example (image, video, audio) at the target rate:
    allocations Stage 1 kept of how many.
 
     python benchmarks/has_convergence.py            # all three examples, 10 seeds
-    python benchmarks/has_convergence.py --examples llava-v1.6-34b --seeds 3 --requests 60
+    python benchmarks/has_convergence.py --examples llava-v1.6-34b --seeds 3 --requests 100
 
 Prints JSON on stdout, progress on stderr, writes has_convergence.json and has_convergence.png
 to --out (default benchmarks/out/has_convergence/).
@@ -325,7 +325,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--budget", type=int, default=30)
     ap.add_argument(
-        "--requests", type=int, default=100, help="requests per trial (the paper's §4.3 uses 100)"
+        "--requests",
+        type=int,
+        default=500,
+        help="requests per trial (spec default 500; the paper's §4.3 uses 100)",
     )
     ap.add_argument("--workload-seed", type=int, default=1)
     ap.add_argument("--max-batch", type=int, default=16)
