@@ -102,3 +102,21 @@ def test_cli_resumes_after_sigkill(tmp_path):
     assert len(real) == len(set(real))
     report = json.loads(rc.stdout)
     assert len(report["trials"]) == len(after)
+
+
+def test_twin_profiler_alpha_is_the_duty_cycle_average():
+    from easerve_operator.tuning.runners.sim import SimStageProfiler
+    from easerve_runtime.config import load_manifest
+
+    spec = load_manifest(AUDIO)[1]
+    prof = SimStageProfiler(spec, requests=32, rate=4.0)
+    alpha = prof.local_prefill_efficiency()
+    p = prof.alpha_parts
+    assert 0.0 <= p["encoder_duty"] <= 1.0
+    expected = (1 - p["encoder_duty"]) * p["idle"] + p["encoder_duty"] * p["busy"]
+    assert alpha == pytest.approx(min(1.0, max(0.0, expected)))
+    assert prof.min_tp() >= 1 and prof.local_prefill_tp() >= 1
+    # without a rate the adapter reports the twin's own (busy-share) alpha
+    assert SimStageProfiler(spec, requests=32).local_prefill_efficiency() == pytest.approx(
+        min(1.0, p["busy"])
+    )

@@ -157,3 +157,14 @@ def test_goodput_objective_changes_the_ranking(image_spec, td):
     res = run(image_spec, td, objective="goodput@moderate", budget=10)
     assert res.objective == "goodput@moderate"
     assert res.best.value == res.best.metrics.goodput["moderate"]
+
+
+def test_summary_is_compact_and_consistent(image_spec, td):
+    res = run(image_spec, td, budget=6)
+    s = res.summary()
+    assert s["best"] == res.best.to_dict() and s["n_trials"] == len(res.real_trials)
+    assert s["stage1"]["kept"] == len(res.stage1.seeds) and "trials" not in s
+    assert s["device_s"] == pytest.approx(
+        res.stage1.capacities.parallel_cost_s + sum(t.cost_s for t in res.real_trials)
+    )
+    json.dumps(s)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 from pathlib import Path
 from typing import Any
@@ -174,8 +173,9 @@ def run(args: argparse.Namespace) -> int:
         return _fail("--resume and --fresh exclude each other")
     out = Path(args.out) if args.out else Path("benchmarks/out") / f"tune-{name}"
     store = RecordStore(out)
-    if args.fresh and out.exists():
-        shutil.rmtree(out)
+    if args.fresh:  # only our own files: --out may be a directory the user cares about
+        for f in (store.path, out / "report.json", out / "convergence.png"):
+            f.unlink(missing_ok=True)
     if store.exists() and not args.resume:
         return _fail(f"--out: {store.path} already holds a search; pass --resume to continue it or --fresh")
 

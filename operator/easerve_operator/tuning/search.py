@@ -96,6 +96,31 @@ class TuningResult:
             out.append({"trial": k, "value": t.value, "best": best, "wall_s": wall, "device_s": dev})
         return out
 
+    def summary(self) -> dict[str, Any]:
+        """The compact form for ``status.tuning``: the choice, why, and what it cost (no trial list)."""
+        dev = sum(t.cost_s for t in self.real_trials)
+        if self.stage1 is not None:
+            dev += self.stage1.capacities.parallel_cost_s
+        return {
+            "method": self.method,
+            "objective": self.objective,
+            "rate": self.rate,
+            "best": None if self.best is None else self.best.to_dict(),
+            "stop_reason": self.stop_reason,
+            "n_trials": len(self.real_trials),
+            "stage1": None
+            if self.stage1 is None
+            else {
+                "kept": len(self.stage1.seeds),
+                "of": len(self.stage1.rows),
+                "table": [
+                    {k: r[k] for k in ("allocation", "score", "bottleneck", "kept", "reason")}
+                    for r in self.stage1_table
+                ],
+            },
+            "device_s": dev,
+        }
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "method": self.method,
