@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -226,3 +227,52 @@ def test_sim_env_knobs_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("EASERVE_SIM_SPEEDUP", "-1")
     with pytest.raises(ValueError, match="EASERVE_SIM_SPEEDUP"):
         SimEngine(FakeProfile())
+
+
+def test_partition_link_reads_the_controllers_split(tmp_path: Path) -> None:
+    from easerve_runtime.partition.record import (
+        ControlRecord,
+        ControlRecordFile,
+        DemandFile,
+        PolicyCode,
+        control_path,
+        demand_path,
+    )
+    from easerve_runtime.workers.partition_link import PartitionLink
+
+    enc, pre = PartitionLink(3, "primary", tmp_path), PartitionLink(3, "partner", tmp_path)
+    assert enc.share(4) == 1.0  # no controller yet: the whole GPU
+    assert DemandFile(demand_path(3, "primary", tmp_path)).read().batch == 4
+    ctl = ControlRecordFile(control_path(3, tmp_path), writer=True)
+    ctl.write(ControlRecord(primary_sms=96, partner_sms=36, total_sms=132, policy=PolicyCode(1), level=3))
+    assert enc.share(8) == pytest.approx(96 / 132)
+    assert pre.share(1) == pytest.approx(36 / 132)
+    enc.idle()
+    assert DemandFile(demand_path(3, "primary", tmp_path)).read().active is False
+
+
+def test_encode_worker_passes_the_granted_share(tmp_path: Path) -> None:
+    from easerve_runtime.partition.record import ControlRecord, ControlRecordFile, PolicyCode, control_path
+    from easerve_runtime.workers.partition_link import PartitionLink
+
+    ctl = ControlRecordFile(control_path(0, tmp_path), writer=True)
+    ctl.write(ControlRecord(primary_sms=66, partner_sms=66, total_sms=132, policy=PolicyCode(1), level=1))
+
+    async def run() -> FakeProfile:
+        prof = FakeProfile()
+        eng = SimEngine(prof, speedup=1.0, bytes_scale=1.0)
+        m = Metrics()
+        dec = DecodeWorker(eng, m)
+        pw = PrefillWorker(eng, m, FakePool({10: dec.generate}))
+        enc = EncodeWorker(spec(ratio=1.0), eng, m, FakePool({1: pw.generate}), None)
+        enc.partition = PartitionLink(0, "primary", tmp_path)
+        loops = [asyncio.create_task(x) for x in (enc.run(), pw.run(), dec.run())]
+        req = {"id": "r", "seed": 1, "text_tokens": 4, "max_tokens": 2, "parts": [png_part()]}
+        items = [x async for x in enc.generate(req)]
+        assert items[-1].get("done"), items
+        for t in loops:
+            t.cancel()
+        return prof
+
+    prof = asyncio.run(run())
+    assert ("encode", (1, 0.5)) in prof.calls

@@ -130,9 +130,13 @@ class SimEngine:
     def mm_tokens(self, parts: Sequence[MediaPart]) -> int:
         return sum(self.part_items_tokens(p)[1] for p in parts)
 
+    def batch_items(self, batch: Sequence[EncodeInput]) -> int:
+        """Encoder items of a micro-batch (what the partition table is indexed by)."""
+        return sum(self.part_items_tokens(p)[0] for r in batch for p in r.parts)
+
     # -- EncodeEngine ---------------------------------------------------------------------
     async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]:
-        items = sum(self.part_items_tokens(p)[0] for r in batch for p in r.parts)
+        items = self.batch_items(batch)
         if items:
             await self._wait(self.profile.encode_s(items, sm_share))
         out = []

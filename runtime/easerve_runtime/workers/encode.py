@@ -30,6 +30,7 @@ from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.batcher import Dispatch, make_batcher
 from easerve_runtime.policies.envelope import SendWindow, build_envelopes
 from easerve_runtime.policies.router import DeficitRouter, Route
+from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.streams import Streams
 from easerve_runtime.workers.wire import b64e, part_from_wire, request_meta
@@ -66,6 +67,7 @@ class EncodeWorker:
         clock: Callable[[], float] = time.monotonic,
         send_window: int = SEND_WINDOW,
         sm_share: Callable[[int], float] | None = None,
+        partition: PartitionLink | None = None,
     ) -> None:
         s = spec.offload.ratio
         if s > 0 and remote is None:
@@ -82,6 +84,7 @@ class EncodeWorker:
         self.router = DeficitRouter(s)
         self.window = SendWindow(send_window)
         self.sm_share = sm_share or (lambda batch: 1.0)
+        self.partition = partition
         self.streams = Streams()
         self._arrival = asyncio.Event()
         self._window_free = asyncio.Event()
@@ -140,8 +143,15 @@ class EncodeWorker:
             EncodeInput(str(req["id"]), tuple[MediaPart, ...](parts), int(req.get("seed", 0)))
             for req, parts, _t in d.items
         ]
+        items_of = getattr(self.engine, "batch_items", None)
+        items = int(items_of(inputs)) if items_of is not None else len(inputs)
+        share = self.partition.share(items) if self.partition is not None else self.sm_share(items)
         t0 = self.clock()
-        embs = await self.engine.encode(inputs, self.sm_share(len(inputs)))
+        try:
+            embs = await self.engine.encode(inputs, share)
+        finally:
+            if self.partition is not None:
+                self.partition.idle()
         m.encode_seconds.observe(self.clock() - t0)
         entries: list[tuple[str, Any, Any]] = []
         metas: dict[Any, list[dict[str, Any]]] = {}

@@ -111,6 +111,8 @@ class Launcher:
         cfg_path.write_text(self.cfg.to_json())
         kv = self.workdir / "kv"
         kv.mkdir(exist_ok=True)
+        shm = self.workdir / "shm"
+        shm.mkdir(exist_ok=True)
         for i, p in enumerate(self.procs):
             env = dict(os.environ)
             env.update(
@@ -121,6 +123,9 @@ class Launcher:
                     "DYN_SYSTEM_HOST": "127.0.0.1",
                     "DYN_SYSTEM_PORT": str(p.system_port),
                     "PYTHONUNBUFFERED": "1",
+                    # each encode "GPU" gets its own partition records, private to this run
+                    "EASERVE_PARTITION_SHM": str(shm),
+                    "EASERVE_PARTITION_GPU": str(p.index),
                 }
             )
             env.update(self.extra_env)

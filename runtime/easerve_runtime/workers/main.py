@@ -17,6 +17,7 @@ import asyncio
 import logging
 import os
 import time
+from pathlib import Path
 from typing import Any
 
 from easerve_runtime.config import Backend, EPDDeploymentSpec, RuntimeConfig
@@ -55,6 +56,25 @@ def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
     raise ValueError(f"spec.engine.backend: {backend!r} is not supported by the runtime yet (use sim)")
 
 
+PARTITION_GPU_ENV = "EASERVE_PARTITION_GPU"
+PARTITION_SHM_ENV = "EASERVE_PARTITION_SHM"
+"""Which GPU's partition record this worker uses (default 0) and where records live (/dev/shm)."""
+
+
+def partition_link(spec: EPDDeploymentSpec, stage: str) -> Any:
+    """The shm link to the pod's partition controller, for encode and local prefill when partitioned."""
+    if stage not in ("encode", "local-prefill") or not spec.has_local_prefill:
+        return None
+    if str(spec.sm_partition.mode) == "none":
+        return None
+    from easerve_runtime.partition.record import SHM_DIR
+    from easerve_runtime.workers.partition_link import PartitionLink
+
+    gpu = int(os.environ.get(PARTITION_GPU_ENV, "0"))
+    shm = Path(os.environ.get(PARTITION_SHM_ENV) or SHM_DIR)
+    return PartitionLink(gpu, "primary" if stage == "encode" else "partner", shm)
+
+
 async def run_stage(
     stage: str,
     cfg: RuntimeConfig,
@@ -86,6 +106,7 @@ async def run_stage(
         )
 
     engine = make_engine(spec, stage)
+    link = partition_link(spec, stage)
     worker: Any
     if stage == "decode":
         from easerve_runtime.workers.decode import DecodeWorker
@@ -96,7 +117,8 @@ async def run_stage(
         from easerve_runtime.workers.prefill import PrefillWorker
 
         component = COMPONENT_PREFILL if stage == "prefill" else local_prefill_component(key)
-        worker = PrefillWorker(engine, metrics, await pool(COMPONENT_DECODE, "decode"), stage=stage)
+        decode_pool = await pool(COMPONENT_DECODE, "decode")
+        worker = PrefillWorker(engine, metrics, decode_pool, stage=stage, partition=link)
     else:
         from easerve_runtime.workers.encode import EncodeWorker
 
@@ -104,7 +126,7 @@ async def run_stage(
         remote = await pool(COMPONENT_PREFILL, "prefill") if s > 0 else None
         local = await pool(local_prefill_component(key), "local prefill") if s < 1 else None
         component = COMPONENT_ENCODE
-        worker = EncodeWorker(spec, engine, metrics, remote, local)
+        worker = EncodeWorker(spec, engine, metrics, remote, local, partition=link)
 
     endpoint = runtime.endpoint(endpoint_path(ns, component))
     endpoint.metrics.register_prometheus_expfmt_callback(metrics.exposition)

@@ -18,6 +18,7 @@ from typing import Any
 from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
+from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import b64d
 
@@ -37,6 +38,7 @@ class PrefillWorker:
         stage: str = "prefill",
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         sm_share: Callable[[], float] | None = None,
+        partition: PartitionLink | None = None,
     ) -> None:
         self.engine = engine
         self.metrics = metrics
@@ -44,6 +46,7 @@ class PrefillWorker:
         self.stage = stage
         self.max_batch_tokens = max_batch_tokens
         self.sm_share = sm_share or (lambda: 1.0)
+        self.partition = partition
         self._pending: deque[tuple[dict[str, Any], asyncio.Queue[dict[str, Any]]]] = deque()
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
@@ -103,13 +106,18 @@ class PrefillWorker:
                 PrefillInput(m["id"], int(m["text_tokens"]), int(m["mm_tokens"]), int(m["seed"]))
                 for m, _ in batch
             ]
+            share = self.partition.share(len(inputs)) if self.partition is not None else self.sm_share()
             try:
-                outs = await self.engine.prefill(inputs, self.sm_share())
+                outs = await self.engine.prefill(inputs, share)
             except Exception as exc:
                 log.exception("prefill batch failed")
+                if self.partition is not None:
+                    self.partition.idle()
                 for m, q in batch:
                     q.put_nowait({"id": m["id"], "error": f"{self.stage} failed: {exc}"})
                 continue
+            if self.partition is not None and not self._pending:
+                self.partition.idle()
             for (meta, q), out in zip(batch, outs, strict=True):
                 q.put_nowait({"id": meta["id"], "token": out.first_token})
                 if int(meta["max_tokens"]) <= 1:

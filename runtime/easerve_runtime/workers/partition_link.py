@@ -1,0 +1,73 @@
+"""A worker's side of SM partitioning: publish demand, read the share the controller granted.
+
+When an encode GPU also hosts a local prefill worker and ``spec.smPartition.mode`` is static or
+dynamic, the pod runs ``easerve partition-controller`` (the only writer of the GPU's control
+record, ``partition/record.py``). Before each engine call the encode worker (role ``primary``)
+and the local prefill worker (role ``partner``) write their demand (next batch, active) and read
+the current split; after the call they mark themselves idle. Reads are seqlock copies from
+``/dev/shm`` (microseconds), so this sits on the hot path.
+
+Until the controller has published a record (or when none runs, e.g. ``easerve serve`` without
+a GPU) the share is 1.0: the worker behaves as if it owned the GPU. The share read is the
+controller's latest decision, which may lag the demand just written by one controller tick.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from easerve_runtime.partition.record import (
+    SHM_DIR,
+    ControlRecord,
+    ControlRecordFile,
+    DemandFile,
+    control_path,
+    demand_path,
+)
+
+log = logging.getLogger("easerve.partition")
+
+
+class PartitionLink:
+    def __init__(self, gpu: int, role: str, shm_dir: Path = SHM_DIR) -> None:
+        if role not in ("primary", "partner"):
+            raise ValueError(f"role: must be 'primary' or 'partner', got {role!r}")
+        self.role = role
+        self.demand = DemandFile(demand_path(gpu, role, shm_dir), writer=True)
+        self.control_path = control_path(gpu, shm_dir)
+        self._control: ControlRecordFile | None = None
+        self.last: ControlRecord | None = None
+
+    def _read(self) -> ControlRecord | None:
+        if self._control is None:
+            if not self.control_path.exists():
+                return None
+            try:
+                self._control = ControlRecordFile(self.control_path)
+            except (OSError, ValueError) as exc:
+                log.warning("partition record unreadable (%s); using the whole GPU", exc)
+                return None
+        try:
+            return self._control.read()
+        except Exception as exc:  # a stuck writer must not stop serving
+            log.warning("partition record read failed (%s); using the whole GPU", exc)
+            return None
+
+    def share(self, batch: int) -> float:
+        """Announce a batch of ``batch`` and return this tenant's SM fraction in (0, 1]."""
+        self.demand.write(max(0, batch), True)
+        rec = self._read()
+        self.last = rec
+        if rec is None or rec.total_sms <= 0 or rec.seq == 0:
+            return 1.0
+        sms = rec.primary_sms if self.role == "primary" else rec.partner_sms
+        return min(1.0, max(sms, 1) / rec.total_sms)
+
+    def idle(self) -> None:
+        self.demand.write(0, False)
+
+    def close(self) -> None:
+        self.demand.close()
+        if self._control is not None:
+            self._control.close()
