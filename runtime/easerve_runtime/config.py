@@ -196,6 +196,13 @@ class SMPartitionSpec(Model):
     table_config_map: str | None = Field(
         default=None, description="ConfigMap holding the partition table from `easerve profile-partition`."
     )
+    epsilon: float = Field(
+        default=0.1,
+        gt=0,
+        le=10,
+        description="Latency slack of the dynamic split: encode gets the fewest SMs within (1+epsilon) of its "
+        "full-GPU latency. Larger values give local prefill more SMs.",
+    )
 
 
 class SLOTier(Model):
