@@ -106,6 +106,23 @@ def test_copy_sources_exist_in_the_repository(dockerfile: Path) -> None:
 
 
 @pytest.mark.parametrize("dockerfile", IMAGES, ids=lambda p: p.parent.name)
+def test_copy_sources_are_in_the_build_context(dockerfile: Path) -> None:
+    """The Dockerfile's own .dockerignore (BuildKit) excludes everything but what it copies."""
+    ignore = dockerfile.with_name("Dockerfile.dockerignore")
+    assert ignore.exists(), f"{ignore} is missing: the whole repository would be sent as build context"
+    lines = [ln.strip() for ln in ignore.read_text().splitlines() if ln.strip() and not ln.startswith("#")]
+    assert lines[0] == "*", "start from nothing, then let in what the image copies"
+    allowed = {ln[1:].rstrip("/") for ln in lines if ln.startswith("!")}
+    for ins in parse(dockerfile):
+        if ins.op == "COPY" and "--from" not in ins.args:
+            for src in [p for p in exec_form(ins.args) if not p.startswith("--")][:-1]:
+                src = src.rstrip("/")
+                assert any(src == a or src.startswith(a + "/") for a in allowed), (
+                    f"{dockerfile}:{ins.line}: {src} is excluded by {ignore.name}"
+                )
+
+
+@pytest.mark.parametrize("dockerfile", IMAGES, ids=lambda p: p.parent.name)
 def test_base_images_are_pinned(dockerfile: Path) -> None:
     argv = args_of(dockerfile)
     stages = set()
