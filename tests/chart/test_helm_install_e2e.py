@@ -86,6 +86,21 @@ def test_crd_is_established(k8s: Any, release: tuple[str, str]) -> None:
     wait_for("the CRD to be Established", established)
 
 
+def test_crd_upgrade_path_after_helm_install(k8s: Any, release: tuple[str, str]) -> None:
+    """docs/upgrade.md: Helm created the CRD; `easerve crd apply --force-conflicts` takes it over (Helm's
+    create owns every field), after which a plain `easerve crd apply` is an idempotent no-op."""
+    easerve = [sys.executable, "-m", "easerve_operator.cli", "crd", "apply", "--kubeconfig", k8s.kubeconfig]
+    env = {**os.environ, "KUBECONFIG": k8s.kubeconfig}
+    r = subprocess.run([*easerve, "--force-conflicts"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    crd = kjson(k8s, "get", "crd", "epddeployments.easerve.io", "--show-managed-fields")
+    assert "easerve-crd" in {m.get("manager") for m in crd["metadata"].get("managedFields", [])}
+    rv = crd["metadata"]["resourceVersion"]
+    r = subprocess.run(easerve, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert kjson(k8s, "get", "crd", "epddeployments.easerve.io")["metadata"]["resourceVersion"] == rv
+
+
 def test_operator_deployment_and_rbac_exist(k8s: Any, release: tuple[str, str]) -> None:
     name, ns = release
     dep = wait_for(
