@@ -243,3 +243,39 @@ def test_operator_with_chart_rbac_reconciles_an_example(
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+def test_cluster_scope_rbac_reaches_every_namespace_but_no_secrets(k8s: Any) -> None:
+    """The default (cluster-wide) install: the ClusterRole grants the operator's verbs everywhere."""
+    ns = k8s.namespace("easerve")
+    try:
+        r = k8s.helm("install", ns, str(CHART), "--namespace", ns, "--set", "dashboard.enabled=false")
+        assert r.returncode == 0, r.stdout + r.stderr
+        sa = f"system:serviceaccount:{ns}:{ns}"
+
+        def can(verb: str, resource: str, namespace: str) -> bool:
+            return (
+                k8s.kubectl("auth", "can-i", verb, resource, "--as", sa, "-n", namespace).stdout.strip()
+                == "yes"
+            )
+
+        for where in ("default", "kube-public"):
+            assert can("create", "deployments.apps", where) and can(
+                "patch", "epddeployments.easerve.io/status", where
+            )
+            assert can("watch", "pods", where) and can("create", "events", where)
+            assert not can("get", "secrets", where) and not can("delete", "pods", where)
+        assert (
+            k8s.kubectl(
+                "auth",
+                "can-i",
+                "create",
+                "validatingwebhookconfigurations.admissionregistration.k8s.io",
+                "--as",
+                sa,
+            ).stdout.strip()
+            == "yes"
+        ), "the default install has the webhook on"
+        assert k8s.kubectl("auth", "can-i", "list", "nodes", "--as", sa).stdout.strip() == "no"
+    finally:
+        k8s.helm("uninstall", ns, "--namespace", ns)
