@@ -14,6 +14,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -36,7 +37,7 @@ def main() -> int:
 
         apps = client.AppsV1Api(config.new_client_from_config(config_file=cluster.kubeconfig))
         ns = cluster.namespace("bench")
-        body = {
+        body: dict[str, Any] = {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
             "metadata": {"name": "many"},
@@ -53,7 +54,8 @@ def main() -> int:
         apps.create_namespaced_deployment(ns, body)
         last = -1
         while True:
-            ready = apps.read_namespaced_deployment("many", ns).status.ready_replicas or 0
+            status = apps.read_namespaced_deployment("many", ns).status
+            ready = (status.ready_replicas if status else 0) or 0
             if ready != last:
                 print(f"  {ready}/{args.pods} ready after {time.monotonic() - t2:.1f}s", file=sys.stderr)
                 last = ready
