@@ -51,7 +51,7 @@ def main() -> int:
             },
         }
         t2 = time.monotonic()
-        apps.create_namespaced_deployment(ns, body)
+        apps.create_namespaced_deployment(ns, body)  # type: ignore[arg-type]  # the client accepts dicts
         last = -1
         while True:
             status = apps.read_namespaced_deployment("many", ns).status
