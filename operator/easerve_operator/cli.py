@@ -39,7 +39,9 @@ def _load(module: str) -> ModuleType | None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="easerve", description="EAServe: encode-aware EPD serving for multimodal LLMs")
+    parser = argparse.ArgumentParser(
+        prog="easerve", description="EAServe: encode-aware EPD serving for multimodal LLMs"
+    )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name, module in COMMANDS.items():
         mod = _load(module)

@@ -137,9 +137,9 @@ class StageAllocation(Model):
 class Allocation(Model):
     """GPUs across the encode, prefill and decode pools."""
 
-    encode: StageAllocation = Field(default_factory=StageAllocation)
-    prefill: StageAllocation = Field(default_factory=StageAllocation)
-    decode: StageAllocation = Field(default_factory=StageAllocation)
+    encode: StageAllocation = Field(default_factory=StageAllocation, description="Encode workers (TP 1 each).")
+    prefill: StageAllocation = Field(default_factory=StageAllocation, description="Remote prefill workers.")
+    decode: StageAllocation = Field(default_factory=StageAllocation, description="Decode workers.")
 
     @property
     def gpus(self) -> int:
@@ -206,7 +206,7 @@ class SMPartitionSpec(Model):
 
 
 class SLOTier(Model):
-    name: Name
+    name: Name = Field(description="Tier name, e.g. strict, tight, moderate, loose, relaxed.")
     ttft_seconds: float = Field(gt=0, le=3600, description="P99 time-to-first-token bound, seconds.")
     tpot_ms: float = Field(gt=0, le=60_000, description="P99 time-per-output-token bound, milliseconds.")
 
@@ -242,8 +242,8 @@ class ObservabilitySpec(Model):
 
 
 class EnvVar(Model):
-    name: str = Field(min_length=1)
-    value: str = ""
+    name: str = Field(min_length=1, description="Environment variable name.")
+    value: str = Field(default="", description="Its value.")
 
 
 class PodOverrides(Model):
@@ -252,24 +252,24 @@ class PodOverrides(Model):
     resources: dict[str, dict[str, str]] | None = Field(
         default=None, description="Extra requests/limits (nvidia.com/gpu is set from the allocation)."
     )
-    node_selector: dict[str, str] | None = None
-    tolerations: list[dict[str, Any]] | None = None
-    env: list[EnvVar] | None = None
+    node_selector: dict[str, str] | None = Field(default=None, description="Pod nodeSelector.")
+    tolerations: list[dict[str, Any]] | None = Field(default=None, description="Pod tolerations.")
+    env: list[EnvVar] | None = Field(default=None, description="Extra environment for every container.")
 
 
 class OmniClass(Model):
-    name: Name
-    output: OutputModality
+    name: Name = Field(description="Class name, e.g. text, speech, image.")
+    output: OutputModality = Field(description="Output modality: text, audio or image.")
     priority: int | None = Field(default=None, ge=0, le=1000, description="API priority; defaults 0/10/20 by output.")
     slo_multiplier: float = Field(default=5.0, gt=0, le=1000, description="SLO = solo p95 × this.")
     slo_seconds: float | None = Field(default=None, gt=0, le=3600, description="Absolute SLO; overrides the multiplier.")
 
 
 class OmniSpec(Model):
-    classes: list[OmniClass] = Field(min_length=1, max_length=16)
+    classes: list[OmniClass] = Field(min_length=1, max_length=16, description="Request classes and their SLOs.")
     rotation_m: int = Field(default=2, ge=1, le=64, description="M: long-path steps per rotation cycle.")
-    n_min: int = Field(default=2, ge=1, le=64)
-    n_max: int = Field(default=8, ge=1, le=64)
+    n_min: int = Field(default=2, ge=1, le=64, description="Fewest short-path steps per rotation cycle.")
+    n_max: int = Field(default=8, ge=1, le=64, description="Most short-path steps per rotation cycle.")
     long_path_cap: int = Field(default=4, ge=1, le=1024, description="Most ordinary long-path prefills per step.")
     u_guard: float = Field(default=1.5, gt=0, le=100, description="Slack ratio under which a request is protected.")
 
@@ -280,17 +280,22 @@ class EPDDeploymentSpec(Model):
     model: ModelSpec
     engine: EngineSpec
     gpu_budget: int = Field(ge=1, le=4096, description="Most GPUs this deployment may use.")
-    mode: DeploymentMode = Field(default=DeploymentMode.DISAGGREGATED)
-    allocation: Allocation = Field(default_factory=Allocation)
-    encode: EncodeSpec = Field(default_factory=EncodeSpec)
-    offload: OffloadSpec = Field(default_factory=OffloadSpec)
-    sm_partition: SMPartitionSpec = Field(default_factory=SMPartitionSpec)
-    slo: SLOSpec
-    tuning: TuningSpec = Field(default_factory=TuningSpec)
-    discovery: DiscoverySpec = Field(default_factory=DiscoverySpec)
-    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec)
-    pod: PodOverrides = Field(default_factory=PodOverrides)
-    omni: OmniSpec | None = None
+    mode: DeploymentMode = Field(
+        default=DeploymentMode.DISAGGREGATED,
+        description="disaggregated (E/P/D pools) or omni-colocated (one omni pod per GPU).",
+    )
+    allocation: Allocation = Field(default_factory=Allocation, description="GPUs across the E/P/D pools.")
+    encode: EncodeSpec = Field(default_factory=EncodeSpec, description="The encode micro-batcher.")
+    offload: OffloadSpec = Field(default_factory=OffloadSpec, description="Partial prefill offload.")
+    sm_partition: SMPartitionSpec = Field(
+        default_factory=SMPartitionSpec, description="How an encode GPU is split with its local prefill worker."
+    )
+    slo: SLOSpec = Field(description="SLO tiers; goodput is reported per tier.")
+    tuning: TuningSpec = Field(default_factory=TuningSpec, description="Hybrid Auto Selection (HAS) search.")
+    discovery: DiscoverySpec = Field(default_factory=DiscoverySpec, description="How workers find each other.")
+    observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec, description="Metrics endpoints.")
+    pod: PodOverrides = Field(default_factory=PodOverrides, description="Overrides applied to every pod.")
+    omni: OmniSpec | None = Field(default=None, description="Omni request classes; only in omni-colocated mode.")
 
     @model_validator(mode="after")
     def _cross_field(self) -> EPDDeploymentSpec:
@@ -360,7 +365,7 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
             )
         )
     if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
-        errs.append(SpecError("spec.smPartition.staticEncodeSMs", "is required when spec.smPartition.mode is static"))
+        errs.append(SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static"))
     return errs
 
 

@@ -16,7 +16,19 @@ from easerve_runtime.config import (
 from easerve_operator.api.status import Condition, EffectiveConfig, EPDDeploymentStatus, Phase, Reason
 
 __all__ = [
-    "GROUP", "KIND", "PLURAL", "VERSION", "EPDDeploymentSpec", "RuntimeConfig", "SpecError",
-    "load_manifest", "parse_spec", "spec_errors", "Condition", "EffectiveConfig", "EPDDeploymentStatus",
-    "Phase", "Reason",
+    "GROUP",
+    "KIND",
+    "PLURAL",
+    "VERSION",
+    "EPDDeploymentSpec",
+    "RuntimeConfig",
+    "SpecError",
+    "load_manifest",
+    "parse_spec",
+    "spec_errors",
+    "Condition",
+    "EffectiveConfig",
+    "EPDDeploymentStatus",
+    "Phase",
+    "Reason",
 ]

@@ -43,7 +43,9 @@ def _openapi(node: dict[str, Any]) -> dict[str, Any]:
         variants = [v for v in node["anyOf"] if v.get("type") != "null"]
         nullable = len(variants) < len(node["anyOf"])
         if len(variants) != 1:
-            raise ValueError(f"cannot express anyOf with {len(variants)} non-null variants in a structural schema")
+            raise ValueError(
+                f"cannot express anyOf with {len(variants)} non-null variants in a structural schema"
+            )
         inner = _openapi(variants[0])
         if nullable:
             inner["nullable"] = True
@@ -101,7 +103,12 @@ def build_crd() -> dict[str, Any]:
     status_schema["x-kubernetes-preserve-unknown-fields"] = True  # kopf keeps its own bookkeeping here
     columns = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
-        {"name": "Ready", "type": "string", "jsonPath": ".status.readySummary", "description": "Ready/desired E,P,D"},
+        {
+            "name": "Ready",
+            "type": "string",
+            "jsonPath": ".status.readySummary",
+            "description": "Ready/desired E,P,D",
+        },
         {"name": "E/P/D", "type": "string", "jsonPath": ".status.effective.allocationLabel"},
         {"name": "B", "type": "integer", "jsonPath": ".status.effective.batchBound"},
         {"name": "s", "type": "number", "jsonPath": ".status.effective.offloadRatio"},

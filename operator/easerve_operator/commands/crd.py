@@ -15,17 +15,26 @@ FIELD_MANAGER = "easerve-crd"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", nargs="?", choices=["print", "apply"], default="print",
-                        help="print (default) the CRD YAML, or apply it to the cluster with server-side apply")
+    parser.add_argument(
+        "action",
+        nargs="?",
+        choices=["print", "apply", "docs"],
+        default="print",
+        help="print (default) the CRD YAML; apply it with server-side apply; or print the docs/api.md field reference",
+    )
     parser.add_argument("--kubeconfig", help="kubeconfig for `apply` (default: $KUBECONFIG or in-cluster)")
-    parser.add_argument("--force-conflicts", action="store_true",
-                        help="take ownership of fields another manager set (server-side apply force)")
-    parser.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the CRD to be Established")
+    parser.add_argument(
+        "--force-conflicts",
+        action="store_true",
+        help="take ownership of fields another manager set (server-side apply force)",
+    )
+    parser.add_argument(
+        "--wait", type=float, default=30.0, help="seconds to wait for the CRD to be Established"
+    )
 
 
 def apply_crd(kubeconfig: str | None = None, force: bool = False, wait_s: float = 30.0) -> str:
     """Server-side apply the CRD; return the resourceVersion once it is Established."""
-    import json
     import time
 
     from kubernetes import client, config
@@ -42,11 +51,13 @@ def apply_crd(kubeconfig: str | None = None, force: bool = False, wait_s: float 
     api = client.ApiextensionsV1Api()
     crd = build_crd()
     name = crd["metadata"]["name"]
-    api.api_client.call_api(
-        f"/apis/apiextensions.k8s.io/v1/customresourcedefinitions/{name}", "PATCH",
-        query_params=[("fieldManager", FIELD_MANAGER), ("force", "true" if force else "false")],
-        header_params={"Content-Type": "application/apply-patch+yaml", "Accept": "application/json"},
-        body=json.dumps(crd), auth_settings=["BearerToken"], response_type="object", _return_http_data_only=True,
+    api.patch_custom_resource_definition(
+        name,
+        crd,
+        field_manager=FIELD_MANAGER,
+        force=force,
+        _content_type="application/apply-patch+yaml",
+        _preload_content=False,
     )
     deadline = time.monotonic() + wait_s
     while True:
@@ -65,6 +76,13 @@ def run(args: argparse.Namespace) -> int:
     if args.action == "print":
         sys.stdout.write(crd_yaml())
         return 0
+    if args.action == "docs":
+        from easerve_operator.api.reference import field_reference
+
+        sys.stdout.write(field_reference())
+        return 0
     rv = apply_crd(args.kubeconfig, args.force_conflicts, args.wait)
-    print(f"customresourcedefinition.apiextensions.k8s.io/epddeployments.easerve.io serverside-applied (rv {rv})")
+    print(
+        f"customresourcedefinition.apiextensions.k8s.io/epddeployments.easerve.io serverside-applied (rv {rv})"
+    )
     return 0

@@ -20,15 +20,29 @@ HELP = "run the EPDDeployment operator (kopf)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--namespace", action="append", default=[],
-                        help="watch only this namespace (repeatable); default: all namespaces")
-    parser.add_argument("--webhook-port", type=int, default=0, help="serve the validating webhook on this port (0: off)")
-    parser.add_argument("--webhook-host", default="127.0.0.1",
-                        help="address the API server uses to reach the webhook (also the bind address)")
-    parser.add_argument("--webhook-cert", help="PEM certificate for the webhook (default: generate a self-signed one)")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    parser.add_argument(
+        "--webhook-port", type=int, default=0, help="serve the validating webhook on this port (0: off)"
+    )
+    parser.add_argument(
+        "--webhook-host",
+        default="127.0.0.1",
+        help="address the API server uses to reach the webhook (also the bind address)",
+    )
+    parser.add_argument(
+        "--webhook-cert", help="PEM certificate for the webhook (default: generate a self-signed one)"
+    )
     parser.add_argument("--webhook-key", help="PEM private key for the webhook")
     parser.add_argument("--metrics-port", type=int, default=9100, help="Prometheus metrics port (0: off)")
-    parser.add_argument("--health-port", type=int, default=8080, help="liveness endpoint /healthz port (0: off)")
+    parser.add_argument(
+        "--health-port", type=int, default=8080, help="liveness endpoint /healthz port (0: off)"
+    )
     parser.add_argument("--bind", default="0.0.0.0", help="bind address of the metrics and health endpoints")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
@@ -42,19 +56,42 @@ def self_signed(host: str, directory: str) -> tuple[str, str]:
     except ValueError:
         san = f"subjectAltName=DNS:{host},DNS:localhost"
     subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-sha256", "-days", "365",
-         "-keyout", key, "-out", cert, "-subj", f"/CN={host}", "-addext", san,
-         "-addext", "basicConstraints=critical,CA:TRUE",
-         "-addext", "keyUsage=critical,digitalSignature,keyEncipherment,keyCertSign",
-         "-addext", "extendedKeyUsage=serverAuth"],
-        check=True, capture_output=True,
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-sha256",
+            "-days",
+            "365",
+            "-keyout",
+            key,
+            "-out",
+            cert,
+            "-subj",
+            f"/CN={host}",
+            "-addext",
+            san,
+            "-addext",
+            "basicConstraints=critical,CA:TRUE",
+            "-addext",
+            "keyUsage=critical,digitalSignature,keyEncipherment,keyCertSign",
+            "-addext",
+            "extendedKeyUsage=serverAuth",
+        ],
+        check=True,
+        capture_output=True,
     )
     return cert, key
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     import kopf
     from prometheus_client import start_http_server
 

@@ -14,9 +14,14 @@ HELP = "render an EPDDeployment file into the child objects the operator creates
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", required=True, help="EPDDeployment manifest (YAML)")
-    parser.add_argument("-n", "--namespace", default=None, help="namespace (default: metadata.namespace or default)")
-    parser.add_argument("--uid", default="00000000-0000-0000-0000-000000000000",
-                        help="owner UID written into ownerReferences (the real one is known only in-cluster)")
+    parser.add_argument(
+        "-n", "--namespace", default=None, help="namespace (default: metadata.namespace or default)"
+    )
+    parser.add_argument(
+        "--uid",
+        default="00000000-0000-0000-0000-000000000000",
+        help="owner UID written into ownerReferences (the real one is known only in-cluster)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,7 +31,8 @@ def run(args: argparse.Namespace) -> int:
     from easerve_operator.api import KIND, parse_spec, spec_errors
     from easerve_operator.render import render_children
 
-    docs = [d for d in yaml.safe_load_all(open(args.file)) if d and d.get("kind") == KIND]
+    with open(args.file) as fh:
+        docs = [d for d in yaml.safe_load_all(fh) if d and d.get("kind") == KIND]
     if not docs:
         print(f"error: {args.file}: no {KIND} document", file=sys.stderr)
         return 2

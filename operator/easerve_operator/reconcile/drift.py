@@ -44,4 +44,7 @@ def drifted(live: dict[str, Any] | None, desired: dict[str, Any]) -> bool:
         return True
     if not covers(meta_l.get("ownerReferences") or [], meta_d.get("ownerReferences") or []):
         return True
-    return any(not covers(live.get(sec), desired.get(sec)) for sec in MANAGED_SECTIONS.get(desired["kind"], ("spec",)))
+    return any(
+        not covers(live.get(sec), desired.get(sec))
+        for sec in MANAGED_SECTIONS.get(desired["kind"], ("spec",))
+    )

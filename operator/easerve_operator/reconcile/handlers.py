@@ -18,6 +18,7 @@ GitOps tool compares against Git carry no operator-written metadata.
 
 from __future__ import annotations
 
+import collections
 import datetime
 import logging
 import threading
@@ -38,8 +39,11 @@ from easerve_operator.render import render_children
 MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
 OWNER_LABEL = "easerve.io/deployment"
 STAGE_LABEL = "easerve.io/stage"
-CHILD_KINDS = (("", "v1", "configmaps", "ConfigMap"), ("", "v1", "services", "Service"),
-               ("apps", "v1", "deployments", "Deployment"))
+CHILD_KINDS = (
+    ("", "v1", "configmaps", "ConfigMap"),
+    ("", "v1", "services", "Service"),
+    ("apps", "v1", "deployments", "Deployment"),
+)
 
 
 @dataclass
@@ -57,6 +61,11 @@ class Options:
 OPTIONS = Options()
 _kube: Kube | None = None
 _kube_lock = threading.Lock()
+# Status is written from two paths (the owner handler and child events). Per owner, writes are
+# serialised and always computed from the newest observation, so the last write wins *and* is
+# the freshest; a generation's status is only written once its children were applied.
+_owner_locks: dict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
+_applied: dict[tuple[str, str], int | None] = {}
 _last_status: dict[tuple[str, str], dict[str, Any]] = {}
 
 
@@ -75,13 +84,15 @@ def _now() -> str:
 # ----------------------------------------------------------------------------------- indexes
 @kopf.index(GROUP, VERSION, PLURAL)
 def owners(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, **_: Any) -> dict[Any, Any]:
-    return {(namespace, name): {
-        "uid": meta.get("uid"),
-        "generation": meta.get("generation"),
-        "deleting": bool(meta.get("deletionTimestamp")),
-        "spec": dict(body.get("spec") or {}),
-        "status": {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
-    }}
+    return {
+        (namespace, name): {
+            "uid": meta.get("uid"),
+            "generation": meta.get("generation"),
+            "deleting": bool(meta.get("deletionTimestamp")),
+            "spec": dict(body.get("spec") or {}),
+            "status": {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
+        }
+    }
 
 
 def _child_index(kind: str):  # type: ignore[no-untyped-def]
@@ -90,6 +101,7 @@ def _child_index(kind: str):  # type: ignore[no-untyped-def]
         if not owner:
             return {}
         return {(namespace, owner): {"kind": kind, "name": name, "body": dict(body)}}
+
     return index
 
 
@@ -98,10 +110,16 @@ for _group, _version, _plural, _kind in CHILD_KINDS:
 
 
 @kopf.index("", "v1", "pods", labels={OWNER_LABEL: kopf.PRESENT})
-def unschedulable(namespace: str, name: str, labels: kopf.Labels, status: kopf.Status, **_: Any) -> dict[Any, Any]:
+def unschedulable(
+    namespace: str, name: str, labels: kopf.Labels, status: kopf.Status, **_: Any
+) -> dict[Any, Any]:
     # An empty mapping (not None) makes kopf drop this pod's earlier entry once it is scheduled.
     for cond in status.get("conditions") or []:
-        if cond.get("type") == "PodScheduled" and cond.get("status") == "False" and cond.get("reason") == "Unschedulable":
+        if (
+            cond.get("type") == "PodScheduled"
+            and cond.get("status") == "False"
+            and cond.get("reason") == "Unschedulable"
+        ):
             return {(namespace, labels[OWNER_LABEL]): f"{name}: {cond.get('message', 'Unschedulable')}"}
     return {}
 
@@ -124,7 +142,9 @@ def _indexes(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
 
 
 # ----------------------------------------------------------------------------------- status
-def _observe(desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]]) -> dict[str, StageObservation]:
+def _observe(
+    desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]]
+) -> dict[str, StageObservation]:
     obs: dict[str, StageObservation] = {}
     for obj in desired:
         if obj["kind"] != "Deployment":
@@ -133,21 +153,31 @@ def _observe(desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str
         body = live.get(("Deployment", obj["metadata"]["name"]))
         obs[stage] = StageObservation.from_deployment(body, int(obj["spec"]["replicas"]))
         if body is not None and drifted(body, obj):
-            obs[stage] = StageObservation(desired=obs[stage].desired, ready=obs[stage].ready)  # not yet rolled
+            obs[stage] = StageObservation(
+                desired=obs[stage].desired, ready=obs[stage].ready
+            )  # not yet rolled
     return obs
 
 
-def _write_status(namespace: str, name: str, current: dict[str, Any] | None, status: dict[str, Any],
-                  patch: kopf.Patch | None = None) -> None:
+def _write_status(namespace: str, name: str, current: dict[str, Any] | None, status: dict[str, Any]) -> None:
+    """Write status unless it says nothing new. Call with the owner's lock held."""
     key = (namespace, name)
     if not status_differs(_last_status.get(key) or current, status):
         return
+    kube().patch_status(namespace, name, status)
     _last_status[key] = status
     metrics.STATUS_WRITES.inc()
-    if patch is not None:
-        patch.status.update(status)
-    else:
-        kube().patch_status(namespace, name, status)
+
+
+def _newest(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The later of two observations of one object (resourceVersions are etcd revisions)."""
+    if a is None or b is None:
+        return a or b
+    try:
+        ra, rb = int(a["metadata"]["resourceVersion"]), int(b["metadata"]["resourceVersion"])
+    except (KeyError, ValueError):
+        return b
+    return a if ra >= rb else b
 
 
 def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
@@ -161,45 +191,81 @@ def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec")
-def reconcile(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, patch: kopf.Patch,
-              logger: logging.Logger, unschedulable: kopf.Index, **kwargs: Any) -> None:
+def reconcile(
+    namespace: str,
+    name: str,
+    body: kopf.Body,
+    meta: kopf.Meta,
+    logger: logging.Logger,
+    unschedulable: kopf.Index,
+    **kwargs: Any,
+) -> None:
     """Make the children match the spec; report what was done in status."""
     generation = meta.get("generation")
+    key = (namespace, name)
     current = {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}
-    prev_conds = current.get("conditions")
     spec, errors = _parse(dict(body.get("spec") or {}))
     if spec is None:
         metrics.RECONCILES.labels(result="invalid").inc()
         logger.warning("invalid spec, nothing created: %s", "; ".join(errors))
-        st = compute_status(generation=generation, spec=None, errors=errors, stages={},
-                            previous_conditions=prev_conds, now=_now())
-        _write_status(namespace, name, current, st, patch)
+        with _owner_locks[key]:
+            _applied[key] = generation
+            prev = (_last_status.get(key) or current).get("conditions")
+            st = compute_status(
+                generation=generation,
+                spec=None,
+                errors=errors,
+                stages={},
+                previous_conditions=prev,
+                now=_now(),
+            )
+            _write_status(namespace, name, current, st)
         return
     desired = render_children(name, namespace, str(meta["uid"]), spec)
-    live = _children(_indexes(kwargs), (namespace, name))
+    live = _children(_indexes(kwargs), key)
     apply_error = None
     for obj in desired:
-        key = (obj["kind"], obj["metadata"]["name"])
-        if not drifted(live.get(key), obj):
+        child = (obj["kind"], obj["metadata"]["name"])
+        if not drifted(live.get(child), obj):
             continue
         try:
-            live[key] = kube().apply(obj)
+            live[child] = kube().apply(obj)
             metrics.CHILD_WRITES.labels(kind=obj["kind"]).inc()
         except ApiException as exc:
             apply_error = f"{obj['kind']} {obj['metadata']['name']}: {exc.reason} ({exc.status})"
             logger.error("apply failed: %s", apply_error)
     _prune(namespace, desired, live, logger)
-    pending = [m for m in unschedulable.get((namespace, name), [])]
-    st = compute_status(generation=generation, spec=spec, errors=[], stages=_observe(desired, live),
-                        unschedulable=pending, apply_error=apply_error, previous_conditions=prev_conds, now=_now())
+    with _owner_locks[key]:
+        _applied[key] = generation
+        fresh = _children(_indexes(kwargs), key)  # events may have moved on while we applied
+        for k in set(live) | set(fresh):
+            newest = _newest(live.get(k), fresh.get(k))
+            if newest is not None:
+                live[k] = newest
+        pending = list(unschedulable.get(key, []))
+        prev = (_last_status.get(key) or current).get("conditions")
+        st = compute_status(
+            generation=generation,
+            spec=spec,
+            errors=[],
+            stages=_observe(desired, live),
+            unschedulable=pending,
+            apply_error=apply_error,
+            previous_conditions=prev,
+            now=_now(),
+        )
+        _write_status(namespace, name, current, st)
     metrics.RECONCILES.labels(result="error" if apply_error else "ok").inc()
-    _write_status(namespace, name, current, st, patch)
     if apply_error:
         raise kopf.TemporaryError(apply_error, delay=10)
 
 
-def _prune(namespace: str, desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]],
-           logger: logging.Logger) -> None:
+def _prune(
+    namespace: str,
+    desired: list[dict[str, Any]],
+    live: dict[tuple[str, str], dict[str, Any]],
+    logger: logging.Logger,
+) -> None:
     """Delete children we no longer render (e.g. after a mode switch); owner refs cover the rest."""
     want = {(o["kind"], o["metadata"]["name"]) for o in desired}
     for kind, cname in [k for k in live if k not in want]:
@@ -213,8 +279,14 @@ def _prune(namespace: str, desired: list[dict[str, Any]], live: dict[tuple[str, 
 
 
 # ----------------------------------------------------------------------------------- children
-def _refresh(namespace: str, owner_name: str, owners: kopf.Index, unschedulable: kopf.Index,
-             kwargs: dict[str, Any], repair: tuple[str, dict[str, Any] | None, str] | None = None) -> None:
+def _refresh(
+    namespace: str,
+    owner_name: str,
+    owners: kopf.Index,
+    unschedulable: kopf.Index,
+    kwargs: dict[str, Any],
+    repair: tuple[str, dict[str, Any] | None, str] | None = None,
+) -> None:
     """Repair one child if needed, then recompute the owner's status from the indexes."""
     owner = _one(owners, (namespace, owner_name))
     if owner is None or owner["deleting"]:
@@ -223,31 +295,53 @@ def _refresh(namespace: str, owner_name: str, owners: kopf.Index, unschedulable:
     if spec is None:
         return  # the owner handler reports InvalidSpec; children of an invalid spec are left alone
     desired = render_children(owner_name, namespace, str(owner["uid"]), spec)
-    live = _children(_indexes(kwargs), (namespace, owner_name))
+    repaired: dict[tuple[str, str], dict[str, Any]] = {}
     if repair is not None:
         kind, body, cname = repair
         want = next((o for o in desired if o["kind"] == kind and o["metadata"]["name"] == cname), None)
         if want is not None and drifted(body, want):
-            live[(kind, cname)] = kube().apply(want)
+            repaired[(kind, cname)] = kube().apply(want)
             metrics.CHILD_WRITES.labels(kind=kind).inc()
             metrics.REPAIRS.labels(kind=kind).inc()
-    current = owner["status"]
-    if current.get("observedGeneration") != owner["generation"]:
-        return  # the owner handler has not processed this generation yet; it writes status itself
-    pending = list(unschedulable.get((namespace, owner_name), []))
-    st = compute_status(generation=owner["generation"], spec=spec, errors=errors, stages=_observe(desired, live),
-                        unschedulable=pending, previous_conditions=current.get("conditions"), now=_now())
-    _write_status(namespace, owner_name, current, st)
+    key = (namespace, owner_name)
+    with _owner_locks[key]:
+        if _applied.get(key) != owner["generation"]:
+            return  # the owner handler has not applied this generation yet; it writes status itself
+        live = _children(_indexes(kwargs), key)
+        for k, v in repaired.items():
+            live[k] = _newest(live.get(k), v) or v
+        current = owner["status"]
+        pending = list(unschedulable.get(key, []))
+        prev = (_last_status.get(key) or current).get("conditions")
+        st = compute_status(
+            generation=owner["generation"],
+            spec=spec,
+            errors=errors,
+            stages=_observe(desired, live),
+            unschedulable=pending,
+            previous_conditions=prev,
+            now=_now(),
+        )
+        _write_status(namespace, owner_name, current, st)
 
 
 def _child_event(kind: str):  # type: ignore[no-untyped-def]
-    def handler(event: dict[str, Any], namespace: str, name: str, body: kopf.Body, labels: kopf.Labels,
-                owners: kopf.Index, unschedulable: kopf.Index, **kwargs: Any) -> None:
+    def handler(
+        event: dict[str, Any],
+        namespace: str,
+        name: str,
+        body: kopf.Body,
+        labels: kopf.Labels,
+        owners: kopf.Index,
+        unschedulable: kopf.Index,
+        **kwargs: Any,
+    ) -> None:
         owner = labels.get(OWNER_LABEL)
         if not owner:
             return
         live = None if event.get("type") == "DELETED" else dict(body)
         _refresh(namespace, owner, owners, unschedulable, kwargs, repair=(kind, live, name))
+
     return handler
 
 
@@ -255,9 +349,20 @@ for _group, _version, _plural, _kind in CHILD_KINDS:
     kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"repair_{_plural}")(_child_event(_kind))
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL)
+def forget_deleted(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
+    """Drop per-owner memory once an EPDDeployment is gone, so long-running operators stay small."""
+    if event.get("type") == "DELETED":
+        key = (namespace, name)
+        _applied.pop(key, None)
+        _last_status.pop(key, None)
+        _owner_locks.pop(key, None)
+
+
 @kopf.on.event("", "v1", "pods", labels={OWNER_LABEL: kopf.PRESENT})
-def pod_event(namespace: str, labels: kopf.Labels, owners: kopf.Index, unschedulable: kopf.Index,
-              **kwargs: Any) -> None:
+def pod_event(
+    namespace: str, labels: kopf.Labels, owners: kopf.Index, unschedulable: kopf.Index, **kwargs: Any
+) -> None:
     _refresh(namespace, labels[OWNER_LABEL], owners, unschedulable, kwargs)
 
 
@@ -291,7 +396,10 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.networking.request_timeout = 30
     if OPTIONS.webhook:
         settings.admission.server = kopf.WebhookServer(
-            addr=OPTIONS.webhook_host, host=OPTIONS.webhook_host, port=OPTIONS.webhook_port,
-            certfile=OPTIONS.webhook_cert, pkeyfile=OPTIONS.webhook_key,
+            addr=OPTIONS.webhook_host,
+            host=OPTIONS.webhook_host,
+            port=OPTIONS.webhook_port,
+            certfile=OPTIONS.webhook_cert,
+            pkeyfile=OPTIONS.webhook_key,
         )
         settings.admission.managed = OPTIONS.webhook_managed

@@ -43,8 +43,13 @@ class Kube:
         """Server-side apply one child (creates it when missing); returns the live object."""
         meta = obj["metadata"]
         resp = self._method(obj["kind"], "patch")(
-            meta["name"], meta["namespace"], obj, field_manager=FIELD_MANAGER, force=True,
-            _content_type="application/apply-patch+yaml", _preload_content=False,
+            meta["name"],
+            meta["namespace"],
+            obj,
+            field_manager=FIELD_MANAGER,
+            force=True,
+            _content_type="application/apply-patch+yaml",
+            _preload_content=False,
         )
         return json.loads(resp.data)  # type: ignore[no-any-return]
 
@@ -55,7 +60,12 @@ class Kube:
         """Merge-patch the EPDDeployment's status subresource (never its spec)."""
         try:
             self.custom.patch_namespaced_custom_object_status(
-                GROUP, VERSION, namespace, PLURAL, name, {"status": status},
+                GROUP,
+                VERSION,
+                namespace,
+                PLURAL,
+                name,
+                {"status": status},
                 _content_type="application/merge-patch+json",
             )
         except ApiException as exc:

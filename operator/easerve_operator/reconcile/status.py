@@ -56,7 +56,12 @@ class StageObservation:
     def complete(self) -> bool:
         if self.desired == 0:
             return self.total == 0 and (self.rolled_out or self.updated == 0)
-        return self.rolled_out and self.updated == self.desired and self.ready >= self.desired and self.total == self.desired
+        return (
+            self.rolled_out
+            and self.updated == self.desired
+            and self.ready >= self.desired
+            and self.total == self.desired
+        )
 
 
 def _cond(ctype: str, true: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
@@ -72,7 +77,9 @@ def _stamp(new: list[dict[str, Any]], old: list[dict[str, Any]] | None, now: str
     prev = {c.get("type"): c for c in old or []}
     for c in new:
         p = prev.get(c["type"])
-        c["lastTransitionTime"] = p.get("lastTransitionTime", now) if p and p.get("status") == c["status"] else now
+        c["lastTransitionTime"] = (
+            p.get("lastTransitionTime", now) if p and p.get("status") == c["status"] else now
+        )
     return new
 
 

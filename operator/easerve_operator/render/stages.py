@@ -85,7 +85,9 @@ def stage_name(name: str, stage: str) -> str:
 
 
 def runtime_config(name: str, namespace: str, spec: EPDDeploymentSpec) -> RuntimeConfig:
-    return RuntimeConfig(name=name, namespace=namespace, dynamo_namespace=dynamo_namespace(namespace, name), spec=spec)
+    return RuntimeConfig(
+        name=name, namespace=namespace, dynamo_namespace=dynamo_namespace(namespace, name), spec=spec
+    )
 
 
 def stage_config_hash(config: RuntimeConfig, stage: str) -> str:
@@ -99,7 +101,9 @@ def config_hash(config: RuntimeConfig) -> str:
     return hashlib.sha256(config.to_json().encode()).hexdigest()[:16]
 
 
-def _env(config: RuntimeConfig, system_port: int, extra: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+def _env(
+    config: RuntimeConfig, system_port: int, extra: list[dict[str, Any]] | None = None
+) -> list[dict[str, Any]]:
     spec = config.spec
     env: list[dict[str, Any]] = [
         {"name": "DYN_NAMESPACE", "value": config.dynamo_namespace},
@@ -121,14 +125,28 @@ def _env(config: RuntimeConfig, system_port: int, extra: list[dict[str, Any]] | 
 
 def _probes(port: int | str) -> dict[str, Any]:
     return {
-        "readinessProbe": {"httpGet": {"path": "/health", "port": port}, "periodSeconds": 5, "failureThreshold": 3},
-        "livenessProbe": {"httpGet": {"path": "/live", "port": port}, "periodSeconds": 10, "failureThreshold": 6},
+        "readinessProbe": {
+            "httpGet": {"path": "/health", "port": port},
+            "periodSeconds": 5,
+            "failureThreshold": 3,
+        },
+        "livenessProbe": {
+            "httpGet": {"path": "/live", "port": port},
+            "periodSeconds": 10,
+            "failureThreshold": 6,
+        },
     }
 
 
 def _container(
-    config: RuntimeConfig, cname: str, stage_arg: str, gpus: int, ports: list[dict[str, Any]], shm: bool,
-    extra_env: list[dict[str, Any]] | None = None, probe_port: int | str | None = "system",
+    config: RuntimeConfig,
+    cname: str,
+    stage_arg: str,
+    gpus: int,
+    ports: list[dict[str, Any]],
+    shm: bool,
+    extra_env: list[dict[str, Any]] | None = None,
+    probe_port: int | str | None = "system",
     system_port: int = SYSTEM_PORT,
 ) -> dict[str, Any]:
     spec = config.spec
@@ -170,20 +188,44 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
         # through the shared-memory control record in /dev/shm.
         share = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if colocated else []
         containers = [
-            _container(config, "frontend", "frontend", 0, [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}], False,
-                       probe_port="http", system_port=SYSTEM_PORT + 1),
+            _container(
+                config,
+                "frontend",
+                "frontend",
+                0,
+                [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
+                False,
+                probe_port="http",
+                system_port=SYSTEM_PORT + 1,
+            ),
             _container(config, "encode", "encode", alloc.tensor_parallel, system_port, colocated),
         ]
         if colocated:
             containers.append(
-                _container(config, "local-prefill", "local-prefill", 0,
-                           [{"name": "system-lp", "containerPort": SYSTEM_PORT + 2, "protocol": "TCP"}], True,
-                           share, probe_port="system-lp", system_port=SYSTEM_PORT + 2)
+                _container(
+                    config,
+                    "local-prefill",
+                    "local-prefill",
+                    0,
+                    [{"name": "system-lp", "containerPort": SYSTEM_PORT + 2, "protocol": "TCP"}],
+                    True,
+                    share,
+                    probe_port="system-lp",
+                    system_port=SYSTEM_PORT + 2,
+                )
             )
-            pc = _container(config, "partition-controller", "partition-controller", 0, [], True, share, probe_port=None)
+            pc = _container(
+                config, "partition-controller", "partition-controller", 0, [], True, share, probe_port=None
+            )
             pc["command"] = [
-                "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0",
-                "--policy", "encode-batch-split" if spec.sm_partition.mode == "dynamic" else "static",
+                "easerve",
+                "partition-controller",
+                "--config",
+                CONFIG_PATH,
+                "--gpu",
+                "0",
+                "--policy",
+                "encode-batch-split" if spec.sm_partition.mode == "dynamic" else "static",
             ]
             containers.append(pc)
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})

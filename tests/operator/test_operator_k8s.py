@@ -1,0 +1,389 @@
+"""The operator against a real kube-apiserver, etcd, controller-manager and scheduler.
+
+Everything goes through the real entry points: `kubectl apply`, `easerve operator`, `easerve crd
+apply`. The only stand-in is the kubelet harness, which marks scheduled pods Ready.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = ["llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b"]
+STAGES = ("encode", "prefill", "decode")
+
+
+def wait_for(what: str, fn: Callable[[], Any], timeout: float = 60.0, interval: float = 0.25) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}; last value: {last!r}")
+
+
+def get(k8s: Any, ns: str, *args: str) -> Any:
+    r = k8s.kubectl("-n", ns, "get", *args, "-o", "json")
+    return json.loads(r.stdout) if r.returncode == 0 else None
+
+
+def manifest(example: str, **spec_updates: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / f"{example}.yaml").read_text())
+    for dotted, value in spec_updates.items():
+        node = doc["spec"]
+        keys = dotted.split("__")
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+        node[keys[-1]] = value
+    return doc
+
+
+def apply(k8s: Any, ns: str, doc: dict[str, Any]) -> Any:
+    return k8s.kubectl("-n", ns, "apply", "-f", "-", input=yaml.safe_dump(doc))
+
+
+def children(k8s: Any, ns: str, name: str) -> dict[str, list[dict[str, Any]]]:
+    sel = f"easerve.io/deployment={name}"
+    return {
+        kind: (get(k8s, ns, kind, "-l", sel) or {"items": []})["items"]
+        for kind in ("deployments", "services", "configmaps")
+    }
+
+
+def complete_children(k8s: Any, ns: str, name: str) -> dict[str, list[dict[str, Any]]] | None:
+    kids = children(k8s, ns, name)
+    counts = {k: len(v) for k, v in kids.items()}
+    return kids if counts == {"deployments": 3, "services": 3, "configmaps": 1} else None
+
+
+def condition(obj: dict[str, Any], ctype: str) -> dict[str, Any]:
+    for c in (obj.get("status") or {}).get("conditions") or []:
+        if c["type"] == ctype:
+            return c  # type: ignore[no-any-return]
+    return {}
+
+
+def dump(k8s: Any, ns: str) -> str:
+    """What a human would look at when a wait times out."""
+    out = [k8s.kubectl("-n", ns, "get", "epd,deploy,rs,pods", "-o", "wide").stdout]
+    for obj in (get(k8s, ns, "epd") or {"items": []})["items"]:
+        out.append(yaml.safe_dump({obj["metadata"]["name"]: obj.get("status")}))
+    return "\n".join(out)
+
+
+def wait_ready(k8s: Any, ns: str, name: str, timeout: float = 120) -> None:
+    try:
+        wait_for(f"{name} Ready", lambda: ready(k8s, ns, name), timeout=timeout)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{dump(k8s, ns)}") from None
+
+
+def ready(k8s: Any, ns: str, name: str) -> bool:
+    obj = get(k8s, ns, "epd", name)
+    return (
+        bool(obj)
+        and condition(obj, "Ready").get("status") == "True"
+        and obj["status"].get("observedGeneration") == obj["metadata"]["generation"]
+    )
+
+
+def test_examples_create_their_children(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    ns = k8s_namespace
+    for ex in EXAMPLES:
+        r = k8s.kubectl("-n", ns, "apply", "-f", str(REPO / "examples" / f"{ex}.yaml"))
+        assert r.returncode == 0, r.stderr
+    for ex in EXAMPLES:
+        spec = manifest(ex)["spec"]
+        kids = wait_for(f"{ex} children", lambda ex=ex: complete_children(k8s, ns, ex))
+        for dep in kids["deployments"]:
+            stage = dep["metadata"]["labels"]["easerve.io/stage"]
+            alloc = spec["allocation"][stage]
+            assert dep["spec"]["replicas"] == alloc["replicas"]
+            gpus = [
+                c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
+                for c in dep["spec"]["template"]["spec"]["containers"]
+            ]
+            assert [g for g in gpus if g] == [str(alloc["tensorParallel"])], (ex, stage, gpus)
+            owner = dep["metadata"]["ownerReferences"][0]
+            assert owner["kind"] == "EPDDeployment" and owner["name"] == ex and owner["controller"] is True
+        encode = next(
+            d for d in kids["deployments"] if d["metadata"]["labels"]["easerve.io/stage"] == "encode"
+        )
+        names = [c["name"] for c in encode["spec"]["template"]["spec"]["containers"]]
+        if spec["offload"]["ratio"] < 1:
+            assert names == ["frontend", "encode", "local-prefill", "partition-controller"]
+        else:
+            assert names == ["frontend", "encode"]
+        wait_ready(k8s, ns, ex)
+        obj = get(k8s, ns, "epd", ex)
+        assert obj["status"]["phase"] == "Ready"
+        assert obj["status"]["effective"]["batchBound"] == spec["encode"]["batchBound"]
+        assert obj["spec"] == yaml.safe_load(yaml.safe_dump(spec)), "the operator must never write spec"
+
+
+def test_progressing_then_ready_as_pods_become_ready(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    harness = k8s.require_harness()
+    ns, name = k8s_namespace, "llava-v1.6-34b"
+    harness.pause()
+    try:
+        assert apply(k8s, ns, manifest(name)).returncode == 0
+        obj = wait_for(
+            "Progressing",
+            lambda: (lambda o: o if o and condition(o, "Progressing").get("status") == "True" else None)(
+                get(k8s, ns, "epd", name)
+            ),
+        )
+        assert condition(obj, "Ready")["status"] == "False"
+        assert condition(obj, "Ready")["reason"] == "PodsNotReady"
+        assert condition(obj, "Reconciling")["status"] == "True"
+        assert obj["status"]["phase"] == "Progressing"
+    finally:
+        harness.resume()
+    wait_ready(k8s, ns, name)
+    obj = get(k8s, ns, "epd", name)
+    assert condition(obj, "Progressing")["status"] == "False"
+    assert condition(obj, "Degraded")["status"] == "False"
+    assert obj["status"]["readySummary"] == "2/2,1/1,2/2"
+    assert obj["status"]["stages"]["encode"] == {"desired": 2, "ready": 2}
+
+
+def test_changing_b_updates_config_and_rolls_only_encode(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    ns, name = k8s_namespace, "llava-v1.6-34b"
+    assert apply(k8s, ns, manifest(name)).returncode == 0
+    wait_ready(k8s, ns, name)
+
+    def hashes() -> dict[str, str]:
+        return {
+            d["metadata"]["labels"]["easerve.io/stage"]: d["spec"]["template"]["metadata"]["annotations"][
+                "easerve.io/config-hash"
+            ]
+            for d in children(k8s, ns, name)["deployments"]
+        }
+
+    before = hashes()
+    assert apply(k8s, ns, manifest(name, encode__batchBound=16)).returncode == 0
+
+    def config_b() -> int:
+        cm = children(k8s, ns, name)["configmaps"][0]
+        return int(json.loads(cm["data"]["config.json"])["spec"]["encode"]["batchBound"])
+
+    wait_for("ConfigMap with B=16", lambda: config_b() == 16)
+    after = wait_for(
+        "new encode template", lambda: (lambda h: h if h["encode"] != before["encode"] else None)(hashes())
+    )
+    assert after["prefill"] == before["prefill"] and after["decode"] == before["decode"]
+    wait_ready(k8s, ns, name)
+    assert get(k8s, ns, "epd", name)["status"]["effective"]["batchBound"] == 16
+
+
+def test_deleted_or_edited_child_is_repaired(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    ns, name = k8s_namespace, "qwen2.5-vl-32b"
+    assert apply(k8s, ns, manifest(name)).returncode == 0
+    wait_ready(k8s, ns, name)
+    dep = next(
+        d
+        for d in children(k8s, ns, name)["deployments"]
+        if d["metadata"]["labels"]["easerve.io/stage"] == "decode"
+    )
+    dname, uid = dep["metadata"]["name"], dep["metadata"]["uid"]
+    assert k8s.kubectl("-n", ns, "delete", "deployment", dname).returncode == 0
+    wait_for(
+        "recreated Deployment",
+        lambda: (get(k8s, ns, "deployment", dname) or {}).get("metadata", {}).get("uid") not in (None, uid),
+    )
+    assert k8s.kubectl("-n", ns, "scale", "deployment", dname, "--replicas=7").returncode == 0
+    wait_for(
+        "replicas restored",
+        lambda: (get(k8s, ns, "deployment", dname) or {}).get("spec", {}).get("replicas") == 2,
+    )
+    svc = f"{dname}"
+    assert k8s.kubectl("-n", ns, "delete", "service", svc).returncode == 0
+    wait_for("recreated Service", lambda: get(k8s, ns, "service", svc) is not None)
+    cm = children(k8s, ns, name)["configmaps"][0]
+    k8s.kubectl(
+        "-n",
+        ns,
+        "patch",
+        "configmap",
+        cm["metadata"]["name"],
+        "--type",
+        "merge",
+        "-p",
+        json.dumps({"data": {"config.json": "{}"}}),
+    )
+    wait_for(
+        "config restored",
+        lambda: (
+            get(k8s, ns, "configmap", cm["metadata"]["name"])["data"]["config.json"]
+            == cm["data"]["config.json"]
+        ),
+    )
+    assert operator.metric("easerve_operator_repairs_total") >= 4
+
+
+def test_deleting_the_owner_garbage_collects_children(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    ns, name = k8s_namespace, "ultravox-v0.6-27b"
+    assert apply(k8s, ns, manifest(name)).returncode == 0
+    wait_for("children", lambda: len(children(k8s, ns, name)["deployments"]) == 3)
+    assert k8s.kubectl("-n", ns, "delete", "epd", name, "--wait=true", "--timeout=60s").returncode == 0
+    wait_for("children collected", lambda: not any(children(k8s, ns, name).values()), timeout=90)
+
+
+def test_invalid_spec_is_refused_with_a_field_named_message(
+    k8s: Any, operator: Any, k8s_namespace: str
+) -> None:
+    ns, name = k8s_namespace, "llava-v1.6-34b"
+    r = apply(k8s, ns, manifest(name, gpuBudget=3))
+    assert r.returncode != 0
+    assert "spec.allocation" in r.stderr and "gpuBudget=3" in r.stderr, r.stderr
+    r = apply(
+        k8s,
+        ns,
+        manifest(
+            name,
+            offload={"ratio": 0.5},
+            allocation={
+                "encode": {"replicas": 0},
+                "prefill": {"replicas": 1, "tensorParallel": 2},
+                "decode": {"replicas": 2, "tensorParallel": 2},
+            },
+        ),
+    )
+    assert r.returncode != 0 and "spec.allocation.encode.replicas" in r.stderr, r.stderr
+    r = apply(
+        k8s,
+        ns,
+        manifest(
+            name, slo={"objective": "gold", "tiers": [{"name": "strict", "ttftSeconds": 1, "tpotMs": 50}]}
+        ),
+    )
+    assert r.returncode != 0 and "spec.slo.objective" in r.stderr, r.stderr
+    r = apply(k8s, ns, manifest(name, encode__batchBound=0))  # schema-level: the CRD's openAPIV3Schema
+    assert r.returncode != 0 and "spec.encode.batchBound" in r.stderr, r.stderr
+    assert get(k8s, ns, "epd", name) is None
+
+
+def test_insufficient_capacity_is_reported(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    k8s.require_harness()
+    ns, name = k8s_namespace, "qwen2.5-vl-32b"
+    big = {
+        "encode": {"replicas": 1},
+        "prefill": {"replicas": 1, "tensorParallel": 8},
+        "decode": {"replicas": 9, "tensorParallel": 8},
+    }  # 81 GPUs; the harness node has 64
+    assert apply(k8s, ns, manifest(name, gpuBudget=96, allocation=big)).returncode == 0
+    obj = wait_for(
+        "InsufficientCapacity",
+        lambda: (
+            lambda o: o if o and condition(o, "Degraded").get("reason") == "InsufficientCapacity" else None
+        )(get(k8s, ns, "epd", name)),
+    )
+    assert condition(obj, "Ready")["status"] == "False"
+    assert condition(obj, "Stalled")["status"] == "True"
+    assert "cannot be scheduled" in condition(obj, "Degraded")["message"]
+    assert obj["status"]["phase"] == "Degraded"
+
+
+def test_reconciler_rejects_invalid_spec_when_webhook_is_absent(
+    k8s: Any, operator: Any, k8s_namespace: str
+) -> None:
+    """Defense in depth: an invalid object that got in (webhook down) creates nothing."""
+    ns, name = k8s_namespace, "llava-v1.6-34b"
+    operator.stop()
+    try:
+        # a clean stop removes kopf's webhook configuration, so the API server admits anything schema-valid
+        wait_for(
+            "webhook removed",
+            lambda: (
+                not (get(k8s, "default", "validatingwebhookconfiguration", "easerve.io") or {}).get(
+                    "webhooks"
+                )
+            ),
+            timeout=30,
+        )
+        assert apply(k8s, ns, manifest(name, gpuBudget=3)).returncode == 0
+    finally:
+        operator.start()
+    obj = wait_for(
+        "InvalidSpec",
+        lambda: (lambda o: o if o and condition(o, "Ready").get("reason") == "InvalidSpec" else None)(
+            get(k8s, ns, "epd", name)
+        ),
+    )
+    assert "spec.allocation" in condition(obj, "Ready")["message"]
+    assert condition(obj, "Stalled")["status"] == "True"
+    assert obj["status"]["phase"] == "Failed"
+    assert not any(children(k8s, ns, name).values())
+    # fixing the spec recovers without recreating the object
+    assert apply(k8s, ns, manifest(name)).returncode == 0
+    wait_ready(k8s, ns, name)
+
+
+def test_restart_creates_no_duplicates_and_writes_nothing(
+    k8s: Any, operator: Any, k8s_namespace: str
+) -> None:
+    ns, name = k8s_namespace, "ultravox-v0.6-27b"
+    assert apply(k8s, ns, manifest(name)).returncode == 0
+    wait_ready(k8s, ns, name)
+    before = {
+        k: sorted((o["metadata"]["uid"], o["metadata"]["resourceVersion"]) for o in v)
+        for k, v in children(k8s, ns, name).items()
+    }
+    operator.restart()
+    time.sleep(3)  # give the resumed operator time to (wrongly) write anything
+    after = {
+        k: sorted((o["metadata"]["uid"], o["metadata"]["resourceVersion"]) for o in v)
+        for k, v in children(k8s, ns, name).items()
+    }
+    assert after == before, "a resume with nothing changed must not write any child"
+    assert operator.metric("easerve_operator_child_writes_total") == 0
+    assert ready(k8s, ns, name)
+    obj = get(k8s, ns, "epd", name)
+    assert condition(obj, "Ready")["reason"] == "AllStagesReady"
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_render_cli_matches_what_the_operator_applies(
+    example: str, k8s: Any, operator: Any, k8s_namespace: str
+) -> None:
+    """`easerve render` is the same pure function the operator uses."""
+    import subprocess
+    import sys
+
+    ns = k8s_namespace
+    assert k8s.kubectl("-n", ns, "apply", "-f", str(REPO / "examples" / f"{example}.yaml")).returncode == 0
+    wait_for("children", lambda: len(children(k8s, ns, example)["deployments"]) == 3)
+    uid = get(k8s, ns, "epd", example)["metadata"]["uid"]
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "easerve_operator.cli",
+            "render",
+            "-f",
+            str(REPO / "examples" / f"{example}.yaml"),
+            "-n",
+            ns,
+            "--uid",
+            uid,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rendered = [d for d in yaml.safe_load_all(r.stdout) if d]
+    live = children(k8s, ns, example)
+    by_name = {(o["kind"], o["metadata"]["name"]): o for v in live.values() for o in v}
+    from easerve_operator.reconcile.drift import drifted
+
+    for obj in rendered:
+        assert not drifted(by_name.get((obj["kind"], obj["metadata"]["name"])), obj), obj["metadata"]["name"]
