@@ -220,7 +220,7 @@ def test_operator_with_chart_rbac_reconciles_an_example(
             return None
 
         try:
-            obj = wait_for("the example to be Ready", ready, timeout=120)
+            obj = wait_for("the example to be Ready", ready, timeout=60)
         except pytest.fail.Exception:
             status = (kjson(k8s, "get", "epddeployment", epd_name, "-n", ns) or {}).get("status")
             pods = k8s.kubectl("get", "deployments,pods", "-n", ns, "-o", "wide").stdout
