@@ -18,6 +18,7 @@
 #   KEEP_DATA=0              1 = keep etcd data from a previous run
 #   WITH_KCM=1 WITH_SCHEDULER=1
 #   WATCH_PID=            stop the cluster when this process exits (the pytest fixture passes its own)
+#   WATCH_RM_RUN=0        1 = the watchdog also deletes RUN (a temp dir) after stopping the cluster
 #   BUILD=1                  build the binaries with e2e/build-k8s.sh when missing (slow the first time)
 # Output: $RUN/kubeconfig (admin client certificate, group system:masters); the last line printed is
 # `export KUBECONFIG=...`. Stop with e2e/k8s-down.sh (same RUN).
@@ -217,7 +218,8 @@ fi
 # killed must not leave an apiserver behind on a shared machine).
 if [ -n "${WATCH_PID:-}" ]; then
   nohup bash -c 'while kill -0 "$0" 2>/dev/null; do sleep 2; done
-                 rm -f "$1/pids/watchdog.pid"; RUN="$1" "$2/k8s-down.sh" --purge' "$WATCH_PID" "$RUN" "$HERE" \
+                 rm -f "$1/pids/watchdog.pid"; RUN="$1" "$2/k8s-down.sh" --purge
+                 [ "$3" = 1 ] && rm -rf "$1"' "$WATCH_PID" "$RUN" "$HERE" "${WATCH_RM_RUN:-0}" \
     > /dev/null 2>&1 < /dev/null &
   echo $! > "$RUN/pids/watchdog.pid"
 fi

@@ -166,6 +166,7 @@ class LocalCluster(Cluster):
 
     def __init__(self, run_dir: str, harness: Any = None) -> None:
         self.run_dir = str(run_dir)
+        self.remove_run_dir = False
         self.ports = self._read_ports()
         super().__init__(os.path.join(self.run_dir, "kubeconfig"), harness)
 
@@ -186,20 +187,26 @@ class LocalCluster(Cluster):
         attempts: int = 3,
         extra_env: dict[str, str] | None = None,
         set_env: bool = True,
+        rm_run_dir: bool = False,
     ) -> LocalCluster:
         """Start etcd + apiserver + controller-manager + scheduler (building the binaries first if they
         are missing: minutes, once per machine). Free ports are picked by k8s-up.sh; if another process
         grabs one in between, it retries on new ports. With `set_env`, sets os.environ['KUBECONFIG'],
         which must happen before the kubernetes client or kopf is imported anywhere.
-        The cluster dies with this process (a watchdog in k8s-up.sh) if `stop` is never called."""
+        The cluster dies with this process (a watchdog in k8s-up.sh) if `stop` is never called. The state
+        dir is deleted on stop (and by the watchdog) when this call made it, or with `rm_run_dir`."""
+        owns_dir = run_dir is None
         run = run_dir or tempfile.mkdtemp(prefix="easerve-k8s-")
         env = dict(os.environ, RUN=run, ETCD_RAM="1" if etcd_ram else "0", WATCH_PID=str(os.getpid()))
+        if owns_dir or rm_run_dir:
+            env["WATCH_RM_RUN"] = "1"
         env.update(extra_env or {})
         last = ""
         for _ in range(attempts):
             r = subprocess.run(["bash", str(E2E / "k8s-up.sh")], env=env, capture_output=True, text=True)
             if r.returncode == 0:
                 cluster = cls(run)
+                cluster.remove_run_dir = owns_dir or rm_run_dir
                 if set_env:
                     os.environ["KUBECONFIG"] = cluster.kubeconfig
                 return cluster
@@ -219,6 +226,8 @@ class LocalCluster(Cluster):
             capture_output=True,
             text=True,
         )
+        if purge and self.remove_run_dir:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def log_tail(self, component: str = "kube-apiserver", lines: int = 30) -> str:
         """Last lines of a component's log (for failure messages)."""
@@ -238,7 +247,3 @@ def start_harness(
     h = KubeletHarness(cluster.kubeconfig, node=node, gpus=g, delay_ms=delay_ms).start()
     cluster.harness = h
     return h
-
-
-def remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)

@@ -88,13 +88,16 @@ def k8s() -> Iterator[Any]:
                 cluster.harness.stop()
         return
 
-    cluster = LocalCluster.start(_STATE["run_dir"], etcd_ram=os.environ.get("EASERVE_ETCD_RAM") == "1")
+    keep = bool(os.environ.get("EASERVE_K8S_KEEP"))
+    cluster = LocalCluster.start(
+        _STATE["run_dir"], etcd_ram=os.environ.get("EASERVE_ETCD_RAM") == "1", rm_run_dir=not keep
+    )
     try:
         start_harness(cluster)
         yield cluster
     finally:
         cluster.cleanup()
-        cluster.stop(purge=not os.environ.get("EASERVE_K8S_KEEP"))
+        cluster.stop(purge=not keep)
 
 
 @pytest.fixture
