@@ -387,3 +387,37 @@ def test_render_cli_matches_what_the_operator_applies(
 
     for obj in rendered:
         assert not drifted(by_name.get((obj["kind"], obj["metadata"]["name"])), obj), obj["metadata"]["name"]
+
+
+def test_tuning_result_goes_to_status_never_spec(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+    """HAS runs in the operator (twin trials) and reports in status.tuning; adopting it starts no new search."""
+    ns, name = k8s_namespace, "llava-v1.6-34b"
+    doc = manifest(name, tuning={"enabled": True, "targetRate": 2.0, "trialBudget": 4, "requestsPerTrial": 100})
+    assert apply(k8s, ns, doc).returncode == 0
+
+    def tuned() -> dict[str, Any] | None:
+        t = ((get(k8s, ns, "epd", name) or {}).get("status") or {}).get("tuning") or {}
+        return t if t.get("state") in ("Succeeded", "Failed") else None
+
+    result = wait_for("tuning result", tuned, timeout=180)
+    assert result["state"] == "Succeeded", result
+    best = result["best"]
+    assert best["allocation"] and best["batchBound"] >= 1 and 0.0 <= best["offloadRatio"] <= 1.0
+    assert best["metrics"]["throughput"] > 0 and "moderate" in best["metrics"]["goodput"]
+    assert result["stage1"]["kept"] >= 1 and result["nTrials"] >= 1
+    obj = get(k8s, ns, "epd", name)
+    assert obj["spec"] == yaml.safe_load(yaml.safe_dump(doc["spec"])), "the operator must never write spec"
+    # adopt the recommendation in "Git": the searched dimensions change, the fingerprint does not
+    adopted = json.loads(json.dumps(doc))
+    adopted["spec"]["allocation"] = best["specAllocation"]
+    adopted["spec"]["encode"]["batchBound"] = best["batchBound"]
+    adopted["spec"]["offload"]["ratio"] = best["offloadRatio"]
+    if best["offloadRatio"] >= 1:
+        adopted["spec"]["smPartition"]["mode"] = "none"
+    r = apply(k8s, ns, adopted)
+    assert r.returncode == 0, r.stderr
+    wait_ready(k8s, ns, name)
+    time.sleep(3)
+    again = get(k8s, ns, "epd", name)["status"]["tuning"]
+    assert again["fingerprint"] == result["fingerprint"] and again["finishedAt"] == result["finishedAt"]
+    assert get(k8s, ns, "epd", name)["status"]["effective"]["allocationLabel"] == best["allocation"]

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     import kopf
     from prometheus_client import start_http_server
 
-    from easerve_operator.reconcile import handlers
+    from easerve_operator.reconcile import handlers, tuning  # noqa: F401 - registers the HAS daemon
 
     if args.webhook_port:
         cert, key = args.webhook_cert, args.webhook_key

@@ -12,6 +12,7 @@ It needs a source checkout (it drives the scripts in ``e2e/``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -67,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
         print("error: `easerve up` needs a source checkout (it uses e2e/local_cluster.py)", file=sys.stderr)
         return 2
     import yaml
-
     from easerve_runtime.config import load_manifest
 
     name, _spec = load_manifest(args.file)  # fail early, with field names, on a bad file
@@ -149,10 +149,9 @@ def run(args: argparse.Namespace) -> int:
         cluster.kubectl("delete", "epd", "--all", "--wait=true", "--timeout=30s")
         for p in reversed(procs):
             if p.poll() is None:
-                try:
+                with contextlib.suppress(ProcessLookupError):
+                    # `easerve serve` runs in its own session: signal its whole process group
                     os.killpg(p.pid, signal.SIGTERM) if p.pid == os.getpgid(p.pid) else p.terminate()
-                except ProcessLookupError:
-                    pass
                 try:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:

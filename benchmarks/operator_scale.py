@@ -1,0 +1,192 @@
+"""Operator scale: create N EPDDeployments at once and time how long until every one has its
+7 children and a written status; report the operator's peak RSS.
+
+Two operators run in the same benchmark, one after the other, on fresh private control planes:
+
+* ``easerve``: the real `easerve operator` (indexes, server-side apply, status, drift repair);
+* ``bare-kopf``: a minimal kopf operator that creates the same 7 rendered children per object
+  with plain creates and writes one status field — the floor a kopf operator can reach here.
+
+What is timed is what the operator writes itself (children + status). kube-controller-manager's
+ReplicaSets and Pods trail behind and are not waited for; the scheduler is off, so Pods simply
+stay Pending and cause no status churn. Output: JSON on stdout, a PNG of completions over time.
+
+    python benchmarks/operator_scale.py [--count 200] [--out benchmarks/out]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "e2e"))
+
+BARE_OPERATOR = '''
+import kopf, json, os, sys
+sys.path.insert(0, os.environ["REPO"] + "/operator"); sys.path.insert(0, os.environ["REPO"] + "/runtime")
+from kubernetes import client, config
+from easerve_runtime.config import parse_spec
+from easerve_operator.render import render_children
+config.load_kube_config()
+api = client.ApiClient()
+core, apps = client.CoreV1Api(api), client.AppsV1Api(api)
+
+@kopf.on.startup()
+def cfg(settings, **_):
+    settings.posting.level = 40
+    settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
+    settings.persistence.progress_storage = kopf.StatusProgressStorage()
+
+@kopf.on.create("easerve.io", "v1alpha1", "epddeployments")
+def create(spec, name, namespace, uid, patch, **_):
+    for o in render_children(name, namespace, uid, parse_spec(dict(spec))):
+        if o["kind"] == "Deployment":
+            apps.create_namespaced_deployment(namespace, o, _preload_content=False)
+        elif o["kind"] == "Service":
+            core.create_namespaced_service(namespace, o, _preload_content=False)
+        else:
+            core.create_namespaced_config_map(namespace, o, _preload_content=False)
+    patch.status["observedGeneration"] = 1
+'''
+
+
+def peak_rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+def run_one(kind: str, count: int, timeout: float) -> dict[str, Any]:
+    from local_cluster import LocalCluster
+
+    cluster = LocalCluster.start(etcd_ram=True, set_env=True, extra_env={"WITH_SCHEDULER": "0"})
+    env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1", "REPO": str(REPO)}
+    log = Path(cluster.run_dir) / f"{kind}.log"
+    op: subprocess.Popen[bytes] | None = None
+    try:
+        subprocess.run([sys.executable, "-m", "easerve_operator.cli", "crd", "apply"], env=env, check=True,
+                       capture_output=True)
+        if kind == "easerve":
+            cmd = [sys.executable, "-m", "easerve_operator.cli", "operator", "--metrics-port", "0", "--health-port", "0"]
+        else:
+            script = Path(cluster.run_dir) / "bare_operator.py"
+            script.write_text(BARE_OPERATOR)
+            cmd = [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", str(script)]
+        op = subprocess.Popen(cmd, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+        time.sleep(4.0)  # let kopf start its watches before the burst
+        import yaml
+        from kubernetes import client, config
+
+        config.load_kube_config(config_file=cluster.kubeconfig)
+        cfg = client.Configuration.get_default_copy()
+        cfg.connection_pool_maxsize = 8
+        api = client.ApiClient(cfg)
+        custom, core, apps = client.CustomObjectsApi(api), client.CoreV1Api(api), client.AppsV1Api(api)
+        base = yaml.safe_load((REPO / "examples" / "llava-v1.6-34b.yaml").read_text())
+        ns = "scale"
+        core.create_namespace({"metadata": {"name": ns}})
+        t0 = time.monotonic()
+
+        def create(i: int) -> None:
+            body = {**base, "metadata": {"name": f"epd-{i:04d}", "namespace": ns}}
+            custom.create_namespaced_custom_object("easerve.io", "v1alpha1", ns, "epddeployments", body,
+                                                   _preload_content=False)
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(create, range(count)))
+        created_s = time.monotonic() - t0
+        timeline: list[tuple[float, int]] = []
+        done = 0
+        while time.monotonic() - t0 < timeout:
+            sel = "app.kubernetes.io/managed-by=easerve-operator"
+            deps = apps.list_namespaced_deployment(ns, label_selector=sel, _preload_content=False)
+            svcs = core.list_namespaced_service(ns, label_selector=sel, _preload_content=False)
+            cms = core.list_namespaced_config_map(ns, label_selector=sel, _preload_content=False)
+            per: dict[str, int] = {}
+            for resp in (deps, svcs, cms):
+                for item in json.loads(resp.data)["items"]:
+                    owner = item["metadata"]["labels"]["easerve.io/deployment"]
+                    per[owner] = per.get(owner, 0) + 1
+            objs = json.loads(custom.list_namespaced_custom_object("easerve.io", "v1alpha1", ns, "epddeployments",
+                                                                   _preload_content=False).data)["items"]
+            done = sum(1 for o in objs if per.get(o["metadata"]["name"]) == 7
+                       and (o.get("status") or {}).get("observedGeneration") == 1)
+            timeline.append((time.monotonic() - t0, done))
+            print(f"\r[{kind}] {done}/{count} complete after {timeline[-1][0]:.1f}s", end="", file=sys.stderr,
+                  flush=True)
+            if done == count:
+                break
+            time.sleep(0.25)
+        print(file=sys.stderr)
+        return {
+            "operator": kind,
+            "objects": count,
+            "complete": done,
+            "seconds_to_complete": timeline[-1][0] if done == count else None,
+            "seconds_to_create": round(created_s, 2),
+            "peak_rss_mb": round(peak_rss_mb(op.pid), 1),
+            "timeline": timeline,
+        }
+    finally:
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        cluster.stop()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--count", type=int, default=200)
+    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
+    ap.add_argument("--only", choices=["easerve", "bare-kopf"], default=None)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    kinds = [args.only] if args.only else ["easerve", "bare-kopf"]
+    results = [run_one(k, args.count, args.timeout) for k in kinds]
+    report: dict[str, Any] = {"count": args.count, "cpus": os.cpu_count(),
+                              "results": [{k: v for k, v in r.items() if k != "timeline"} for r in results]}
+    if len(results) == 2 and all(r["seconds_to_complete"] for r in results):
+        report["time_ratio_easerve_over_bare"] = round(results[0]["seconds_to_complete"]
+                                                      / results[1]["seconds_to_complete"], 2)
+        report["rss_ratio_easerve_over_bare"] = round(results[0]["peak_rss_mb"] / results[1]["peak_rss_mb"], 2)
+    print(json.dumps(report, indent=2))
+    (out / "operator_scale.json").write_text(json.dumps({**report, "timelines": {r["operator"]: r["timeline"]
+                                                                                  for r in results}}, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for r in results:
+        xs, ys = zip(*r["timeline"], strict=True) if r["timeline"] else ((), ())
+        ax.plot(xs, ys, label=f"{r['operator']} (peak RSS {r['peak_rss_mb']} MB)")
+    ax.set_xlabel("seconds since the first create")
+    ax.set_ylabel("EPDDeployments with 7 children + status")
+    ax.set_title(f"Operator scale: {args.count} objects, {os.cpu_count()} cores")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "operator_scale.png", dpi=120)
+    print(f"wrote {out / 'operator_scale.json'} and {out / 'operator_scale.png'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
