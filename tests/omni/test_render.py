@@ -48,15 +48,15 @@ def test_pod_has_three_containers_sharing_dev_shm() -> None:
     pod = dep["spec"]["template"]["spec"]
     by = {c["name"]: c for c in pod["containers"]}
     assert set(by) == {"omni-shared", "omni-downstream", "partition-controller"}
-    assert by["omni-shared"]["command"][-4:] == [
+    assert by["omni-shared"]["args"][-4:] == [
         "--config",
         "/etc/easerve/config.json",
         "--stage",
         "omni-shared",
     ]
-    assert by["omni-downstream"]["command"][-1] == "omni-downstream"
-    assert by["omni-shared"]["command"][:2] == ["easerve", "worker"]
-    assert by["partition-controller"]["command"][:2] == ["easerve", "partition-controller"]
+    assert by["omni-downstream"]["args"][-1] == "omni-downstream"
+    assert by["omni-shared"]["args"][:2] == ["easerve", "worker"]
+    assert by["partition-controller"]["args"][:2] == ["easerve", "partition-controller"]
     shm = [v for v in pod["volumes"] if v["name"] == "shm"]
     assert shm == [{"name": "shm", "emptyDir": {"medium": "Memory"}}]
     for c in pod["containers"]:

@@ -66,7 +66,7 @@ def _container(
     c: dict[str, Any] = {
         "name": cname,
         "image": spec.engine.image,
-        "command": command,
+        "args": command,  # args, not command: the image entrypoint (tini) stays PID 1
         "env": _env(spec, extra_env),
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/easerve", "readOnly": True},

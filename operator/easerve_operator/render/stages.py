@@ -162,7 +162,8 @@ def _container(
     c: dict[str, Any] = {
         "name": cname,
         "image": spec.engine.image,
-        "command": ["easerve", "worker", "--stage", stage_arg, "--config", CONFIG_PATH],
+        # args, not command: the image's entrypoint (tini) stays PID 1 and reaps/forwards signals
+        "args": ["easerve", "worker", "--stage", stage_arg, "--config", CONFIG_PATH],
         "env": _env(config, system_port, extra_env),
         "volumeMounts": mounts,
     }
@@ -217,16 +218,8 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
             pc = _container(
                 config, "partition-controller", "partition-controller", 0, [], True, share, probe_port=None
             )
-            pc["command"] = [
-                "easerve",
-                "partition-controller",
-                "--config",
-                CONFIG_PATH,
-                "--gpu",
-                "0",
-                "--policy",
-                "encode-batch-split" if spec.sm_partition.mode == "dynamic" else "static",
-            ]
+            # policy, static SMs and epsilon come from the same config the workers read
+            pc["args"] = ["easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0"]
             containers.append(pc)
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     else:

@@ -21,8 +21,14 @@ POLICIES = ("encode-batch-split", "bandwidth-throttle", "static", "none")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        type=Path,
+        help="runtime ConfigMap JSON (what the operator renders): policy, static SMs and epsilon come from "
+        "spec.smPartition; without --table, the dynamic table is built from the engine's latency profile",
+    )
     parser.add_argument("--gpu", type=int, default=0)
-    parser.add_argument("--policy", choices=POLICIES, required=True)
+    parser.add_argument("--policy", choices=POLICIES, default=None, help="required unless --config gives it")
     parser.add_argument("--table", type=Path, help="partition table JSON (encode-batch-split)")
     parser.add_argument(
         "--ladder", type=int, nargs="+", help="co-running SM ladder S_min..S_cap (bandwidth-throttle)"
@@ -59,6 +65,28 @@ def _total_sms(gpu: int) -> int | None:
         return None
 
 
+def _apply_config(args: argparse.Namespace) -> object | None:
+    """Fill unset flags from the deployment's spec; return a table built from the latency profile
+    for ``dynamic`` mode when no measured ``--table`` is given (the sim engine's ground truth, and
+    a sane start on real GPUs until `easerve profile-partition` has run)."""
+    from easerve_runtime.config import RuntimeConfig
+
+    cfg = RuntimeConfig.from_json(args.config.read_text())
+    part = cfg.spec.sm_partition
+    mode = str(part.mode)
+    if args.policy is None:
+        args.policy = {"dynamic": "encode-batch-split", "static": "static"}.get(mode, "none")
+    if args.static_sms is None and part.static_encode_sms is not None:
+        args.static_sms = part.static_encode_sms
+    if args.policy != "encode-batch-split" or args.table is not None:
+        return None
+    from easerve_runtime.profiles import load_profile
+    from easerve_runtime.sim.latency import StageModel
+    from easerve_runtime.sim.shares import partition_table
+
+    return partition_table(StageModel(load_profile(cfg.spec.engine.profile)), epsilon=part.epsilon)
+
+
 def run(args: argparse.Namespace) -> int:
     from easerve_runtime.partition.controller import ControllerCore, run_loop
     from easerve_runtime.partition.nvml_signal import MemoryActivitySampler, NvmlUnavailable
@@ -67,9 +95,21 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("partition-controller")
+    profile_table = None
+    if args.config is not None:
+        try:
+            profile_table = _apply_config(args)
+        except (OSError, ValueError) as exc:
+            print(f"--config: {exc}", file=sys.stderr)
+            return 2
+    if args.policy is None:
+        print("--policy: required (or give --config)", file=sys.stderr)
+        return 2
     total = args.total_sms or _total_sms(args.gpu)
-    table = None
-    if args.policy == "encode-batch-split":
+    table = profile_table if args.table is None else None
+    if table is not None:
+        total = total or table.total_sms
+    if args.policy == "encode-batch-split" and table is None:
         if args.table is None:
             print("--table: required for --policy encode-batch-split", file=sys.stderr)
             return 2

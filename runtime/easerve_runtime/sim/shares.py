@@ -24,7 +24,7 @@ from easerve_runtime.sim.latency import StageModel
 NONE_ENCODE_DILATION = 30.4 / 8.14
 NONE_PREFILL_DILATION = 19.4 / 13.8
 TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-TABLE_EPSILON = 0.1
+TABLE_EPSILON = 0.1  # the default of spec.smPartition.epsilon
 
 
 def partition_table(model: StageModel, epsilon: float = TABLE_EPSILON) -> PartitionTable:
@@ -42,7 +42,7 @@ class ShareModel:
         self.split: EncodeBatchSplit | None = None
         self.static_share = 1.0
         if self.mode == PartitionMode.DYNAMIC:
-            self.split = EncodeBatchSplit(partition_table(model))
+            self.split = EncodeBatchSplit(partition_table(model, epsilon=spec.sm_partition.epsilon))
         elif self.mode == PartitionMode.STATIC:
             sms = spec.sm_partition.static_encode_sms or self.total // 2
             self.static_share = min(sms, self.total) / self.total
