@@ -81,7 +81,17 @@ def run(args: argparse.Namespace) -> int:
 
         sys.stdout.write(field_reference())
         return 0
-    rv = apply_crd(args.kubeconfig, args.force_conflicts, args.wait)
+    from kubernetes.client.exceptions import ApiException
+
+    try:
+        rv = apply_crd(args.kubeconfig, args.force_conflicts, args.wait)
+    except ApiException as exc:
+        if exc.status == 409:
+            print("error: another field manager (e.g. Helm, which installed the CRD) owns fields of the CRD.\n"
+                  "Re-run with --force-conflicts to take them over (see docs/upgrade.md).", file=sys.stderr)
+            return 1
+        print(f"error: applying the CRD failed: {exc.status} {exc.reason}", file=sys.stderr)
+        return 1
     print(
         f"customresourcedefinition.apiextensions.k8s.io/epddeployments.easerve.io serverside-applied (rv {rv})"
     )

@@ -17,7 +17,7 @@ import datetime
 import hashlib
 import json
 import logging
-import threading
+import time
 from typing import Any
 
 import kopf
@@ -80,6 +80,33 @@ def _enabled(spec: kopf.Spec, **_: Any) -> bool:
     return bool((spec.get("tuning") or {}).get("enabled"))
 
 
+class _Progress:
+    """``on_trial`` callback: aborts when the daemon stops or the spec changes, and reports progress."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, fp: str, body: kopf.Body,
+                 stopped: kopf.DaemonStopped) -> None:
+        self.kube, self.namespace, self.name, self.fp = kube, namespace, name, fp
+        self.body, self.stopped = body, stopped
+        self.last = 0.0
+
+    def _fingerprint_now(self) -> str | None:
+        try:
+            return fingerprint(parse_spec(dict(self.body.get("spec") or {})))
+        except ValidationError:
+            return None
+
+    def __call__(self, rec: Any, records: list[Any]) -> None:
+        if self.stopped or self._fingerprint_now() != self.fp:
+            raise _Abort()
+        now = time.monotonic()
+        if now - self.last < PROGRESS_EVERY_S:
+            return
+        self.last = now
+        vals = [r.value for r in records if r.ok and not r.cached]
+        self.kube.patch_status(self.namespace, self.name, {"tuning": {
+            "trials": len(vals), "bestSoFar": max(vals) if vals else None}})
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, id="tuning", when=_enabled, cancellation_timeout=10.0)
 def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str,
                   logger: logging.Logger, **_: Any) -> None:
@@ -99,29 +126,8 @@ def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
         started = _now()
         kube.patch_status(namespace, name, {"tuning": {"state": "Running", "fingerprint": fp, "startedAt": started,
                                                        "trials": 0, "budget": budget}})
-        last = [0.0]
-        lock = threading.Lock()
-
-        def progress(rec: Any, records: list[Any]) -> None:
-            if stopped or fingerprint_now() != fp:
-                raise _Abort()
-            vals = [r.value for r in records if r.ok and not r.cached]
-            now = datetime.datetime.now().timestamp()
-            with lock:
-                if now - last[0] < PROGRESS_EVERY_S:
-                    return
-                last[0] = now
-            kube.patch_status(namespace, name, {"tuning": {"trials": len(vals),
-                                                           "bestSoFar": max(vals) if vals else None}})
-
-        def fingerprint_now() -> str | None:
-            try:
-                return fingerprint(parse_spec(dict(body.get("spec") or {})))
-            except ValidationError:
-                return None
-
         try:
-            summary = search(spec, progress)
+            summary = search(spec, _Progress(kube, namespace, name, fp, body, stopped))
         except _Abort:
             logger.info("tuning search interrupted (operator stopping or spec changed)")
             continue
@@ -131,8 +137,7 @@ def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
                                                            "message": f"{type(exc).__name__}: {exc}",
                                                            "finishedAt": _now()}})
             continue
-        best = summary.get("best") or {}
-        logger.info("tuning done: %s", json.dumps(best)[:300])
+        logger.info("tuning done: %s", json.dumps(summary.get("best"))[:300])
         kube.patch_status(namespace, name, {"tuning": {**camel(summary), "state": "Succeeded", "fingerprint": fp,
                                                        "startedAt": started, "finishedAt": _now(),
                                                        "trials": summary.get("n_trials"), "budget": budget}})
