@@ -56,6 +56,22 @@ class Kube:
     def delete(self, kind: str, namespace: str, name: str) -> None:
         self._method(kind, "delete")(name, namespace)
 
+    def unschedulable_pods(self, namespace: str, selector: str) -> list[str]:
+        """``"pod: message"`` for each unbound pod the scheduler marked Unschedulable."""
+        resp = self.core.list_namespaced_pod(
+            namespace, label_selector=selector, field_selector="spec.nodeName=", _preload_content=False
+        )
+        out = []
+        for pod in json.loads(resp.data)["items"]:
+            for c in (pod.get("status") or {}).get("conditions") or []:
+                if (
+                    c.get("type") == "PodScheduled"
+                    and c.get("status") == "False"
+                    and c.get("reason") == "Unschedulable"
+                ):
+                    out.append(f"{pod['metadata']['name']}: {c.get('message', 'Unschedulable')}")
+        return sorted(out)
+
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the EPDDeployment's status subresource (never its spec)."""
         try:

@@ -66,9 +66,17 @@ def search(spec: EPDDeploymentSpec, on_progress: Any) -> dict[str, Any]:
     rate = float(spec.tuning.target_rate or 1.0)
     profiler = SimStageProfiler(spec, rate=rate)
     space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp())
-    result = tune(spec, runner=SimRunner(), profiler=profiler, space=space, rate=rate,
-                  objective=spec.tuning.objective, rules=StopRules(budget=spec.tuning.trial_budget),
-                  requests=spec.tuning.requests_per_trial, on_trial=on_progress)
+    result = tune(
+        spec,
+        runner=SimRunner(),
+        profiler=profiler,
+        space=space,
+        rate=rate,
+        objective=spec.tuning.objective,
+        rules=StopRules(budget=spec.tuning.trial_budget),
+        requests=spec.tuning.requests_per_trial,
+        on_trial=on_progress,
+    )
     return result.summary()
 
 
@@ -83,8 +91,9 @@ def _enabled(spec: kopf.Spec, **_: Any) -> bool:
 class _Progress:
     """``on_trial`` callback: aborts when the daemon stops or the spec changes, and reports progress."""
 
-    def __init__(self, kube: Kube, namespace: str, name: str, fp: str, body: kopf.Body,
-                 stopped: kopf.DaemonStopped) -> None:
+    def __init__(
+        self, kube: Kube, namespace: str, name: str, fp: str, body: kopf.Body, stopped: kopf.DaemonStopped
+    ) -> None:
         self.kube, self.namespace, self.name, self.fp = kube, namespace, name, fp
         self.body, self.stopped = body, stopped
         self.last = 0.0
@@ -103,13 +112,17 @@ class _Progress:
             return
         self.last = now
         vals = [r.value for r in records if r.ok and not r.cached]
-        self.kube.patch_status(self.namespace, self.name, {"tuning": {
-            "trials": len(vals), "bestSoFar": max(vals) if vals else None}})
+        self.kube.patch_status(
+            self.namespace,
+            self.name,
+            {"tuning": {"trials": len(vals), "bestSoFar": max(vals) if vals else None}},
+        )
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="tuning", when=_enabled, cancellation_timeout=10.0)
-def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str,
-                  logger: logging.Logger, **_: Any) -> None:
+def tuning_daemon(
+    stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, logger: logging.Logger, **_: Any
+) -> None:
     kube = Kube()
     while not stopped:
         try:
@@ -124,8 +137,19 @@ def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
             continue
         budget = spec.tuning.trial_budget
         started = _now()
-        kube.patch_status(namespace, name, {"tuning": {"state": "Running", "fingerprint": fp, "startedAt": started,
-                                                       "trials": 0, "budget": budget}})
+        kube.patch_status(
+            namespace,
+            name,
+            {
+                "tuning": {
+                    "state": "Running",
+                    "fingerprint": fp,
+                    "startedAt": started,
+                    "trials": 0,
+                    "budget": budget,
+                }
+            },
+        )
         try:
             summary = search(spec, _Progress(kube, namespace, name, fp, body, stopped))
         except _Abort:
@@ -133,11 +157,32 @@ def tuning_daemon(stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, 
             continue
         except Exception as exc:  # noqa: BLE001 - report any failure of the search in status
             logger.exception("tuning search failed")
-            kube.patch_status(namespace, name, {"tuning": {"state": "Failed", "fingerprint": fp,
-                                                           "message": f"{type(exc).__name__}: {exc}",
-                                                           "finishedAt": _now()}})
+            kube.patch_status(
+                namespace,
+                name,
+                {
+                    "tuning": {
+                        "state": "Failed",
+                        "fingerprint": fp,
+                        "message": f"{type(exc).__name__}: {exc}",
+                        "finishedAt": _now(),
+                    }
+                },
+            )
             continue
         logger.info("tuning done: %s", json.dumps(summary.get("best"))[:300])
-        kube.patch_status(namespace, name, {"tuning": {**camel(summary), "state": "Succeeded", "fingerprint": fp,
-                                                       "startedAt": started, "finishedAt": _now(),
-                                                       "trials": summary.get("n_trials"), "budget": budget}})
+        kube.patch_status(
+            namespace,
+            name,
+            {
+                "tuning": {
+                    **camel(summary),
+                    "state": "Succeeded",
+                    "fingerprint": fp,
+                    "startedAt": started,
+                    "finishedAt": _now(),
+                    "trials": summary.get("n_trials"),
+                    "budget": budget,
+                }
+            },
+        )
