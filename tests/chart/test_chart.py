@@ -160,7 +160,7 @@ def test_rbac_lists_exact_verbs_and_resources(rendered: dict[str, list[dict[str,
         (g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]
     }
     assert ("easerve.io", "epddeployments/status", "patch") in grants
-    assert ("apps", "deployments", "create") in grants and ("", "pods", "watch") in grants
+    assert ("apps", "deployments", "create") in grants and ("", "pods", "list") in grants
     assert ("", "secrets", "get") not in grants and ("", "pods", "create") not in grants
 
 

@@ -124,7 +124,7 @@ def test_operator_deployment_and_rbac_exist(k8s: Any, release: tuple[str, str]) 
         return k8s.kubectl(*args).stdout.strip() == "yes"
 
     assert can("create", "deployments.apps") and can("patch", "epddeployments.easerve.io")
-    assert can("patch", "epddeployments.easerve.io/status") and can("watch", "pods")
+    assert can("patch", "epddeployments.easerve.io/status") and can("list", "pods")
     assert not can("get", "secrets"), "the operator must not read secrets"
     assert not can("create", "deployments.apps", "default"), "namespaced mode reaches one namespace only"
     assert not can("delete", "pods")
@@ -263,7 +263,7 @@ def test_cluster_scope_rbac_reaches_every_namespace_but_no_secrets(k8s: Any) -> 
             assert can("create", "deployments.apps", where) and can(
                 "patch", "epddeployments.easerve.io/status", where
             )
-            assert can("watch", "pods", where) and can("create", "events", where)
+            assert can("list", "pods", where) and can("create", "events", where)
             assert not can("get", "secrets", where) and not can("delete", "pods", where)
         assert (
             k8s.kubectl(

@@ -71,7 +71,7 @@ and the Role (scope=namespace). Exact verbs and resources, no wildcards (docs/he
   verbs: ["get", "list", "watch", "create", "patch", "update", "delete"]
 - apiGroups: [""]
   resources: ["pods"]
-  verbs: ["get", "list", "watch"]
+  verbs: ["list"]  # unbound pods of a not-Ready EPDDeployment (InsufficientCapacity); pods are not watched
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
