@@ -74,6 +74,17 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.goodput = Counter(
+            f"{PREFIX}_goodput_requests",
+            "Requests that met an SLO tier (their own TTFT and TPOT within the tier's bounds), by tier.",
+            ["tier"],
+            registry=r,
+        )
+        self.encode_sm_share = Gauge(
+            f"{PREFIX}_partition_encode_sm_share",
+            "SM fraction the encoder ran its last micro-batch on (1 without a local prefill partner).",
+            registry=r,
+        )
         self.encode_rate = Gauge(
             f"{PREFIX}_encode_arrival_rate",
             "The batcher's online arrival-rate estimate (requests/s).",

@@ -146,6 +146,7 @@ class EncodeWorker:
         items_of = getattr(self.engine, "batch_items", None)
         items = int(items_of(inputs)) if items_of is not None else len(inputs)
         share = self.partition.share(items) if self.partition is not None else self.sm_share(items)
+        m.encode_sm_share.set(share)
         t0 = self.clock()
         try:
             embs = await self.engine.encode(inputs, share)

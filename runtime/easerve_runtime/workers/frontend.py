@@ -128,9 +128,14 @@ class Frontend:
             return
         m.e2e.observe(time.monotonic() - t0)
         if first is not None:
-            m.ttft.observe(first - t0)
+            ttft = first - t0
+            tpot = (last - first) / (n - 1) if last is not None and n > 1 else 0.0
+            m.ttft.observe(ttft)
             if last is not None and n > 1:
-                m.tpot.observe((last - first) / (n - 1))
+                m.tpot.observe(tpot)
+            for tier in self.spec.slo.tiers:  # goodput: a request is good when its own TTFT and TPOT fit
+                if ttft <= tier.ttft_seconds and tpot * 1e3 <= tier.tpot_ms:
+                    m.goodput.labels(tier.name).inc()
 
     async def _tokens(self, req: ChatRequest, rid: str) -> Any:
         """Yield ('token', id) ... then ('done', info); raise StageError on failure."""
