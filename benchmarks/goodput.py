@@ -67,7 +67,24 @@ def with_cfg(
     return spec.model_copy(update=upd)
 
 
-def tune(spec: EPDDeploymentSpec, reqs: list, model: Any) -> dict[str, Any]:
+def has_pick(spec: EPDDeploymentSpec, rate: float, budget: int, requests: int) -> tuple[EPDDeploymentSpec, int]:
+    """EAServe's configuration as HAS finds it (Stage 1 + Optuna on the twin), at goodput@objective."""
+    from easerve_operator.tuning.loop import StopRules
+    from easerve_operator.tuning.runners.sim import SimRunner, SimStageProfiler
+    from easerve_operator.tuning.search import tune as has_tune
+    from easerve_operator.tuning.space import space_for
+
+    profiler = SimStageProfiler(spec, rate=rate)
+    space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp())
+    result = has_tune(spec, runner=SimRunner(), profiler=profiler, space=space, rate=rate,
+                      objective=f"goodput@{spec.slo.objective}", rules=StopRules(budget=budget),
+                      requests=requests)
+    assert result.best is not None, "HAS found no working configuration"
+    return result.best.spec, len(result.real_trials)
+
+
+def tune(spec: EPDDeploymentSpec, reqs: list, model: Any, rate: float | None = None,
+         tuner: str = "grid", has_budget: int = 30) -> dict[str, Any]:
     """Each system's best configuration on the tuning requests (returns spec or layout per system)."""
     tier = spec.slo.objective
     allocs = feasible_allocations(spec.gpu_budget, model)
@@ -92,6 +109,11 @@ def tune(spec: EPDDeploymentSpec, reqs: list, model: Any) -> dict[str, Any]:
             top.append(sp.allocation)
         if len(top) == TOP_ALLOCS:
             break
+    if tuner == "has":
+        assert rate is not None
+        out["easerve"], out["has_trials"] = has_pick(spec, rate, has_budget, len(reqs))
+        out["grid_trials"] = len(s1_runs)
+        return out
     best = None
     trials = len(s1_runs)
     for a in top:
@@ -139,11 +161,13 @@ def main_compare(args: argparse.Namespace) -> dict[str, Any]:
         for i, rate in enumerate(args.rates):
             t0 = time.perf_counter()
             tune_reqs = generate(spec, rate, args.tune_requests, args.seed + 1000)
-            tuned = tune(spec, tune_reqs, model)
+            tuned = tune(spec, tune_reqs, model, rate=rate, tuner=args.tuner)
             seeds = [args.seed + k for k in range(args.repeats)]
             runs = [evaluate(spec, tuned, generate(spec, rate, args.requests, sd), model) for sd in seeds]
             per_rate[str(rate)] = median_runs(runs)
             per_rate[str(rate)]["grid_trials"] = tuned["grid_trials"]
+            per_rate[str(rate)]["has_trials"] = tuned.get("has_trials")
+            per_rate[str(rate)]["tuner"] = args.tuner
             per_rate[str(rate)]["n_allocations"] = tuned["n_allocations"]
             g = {s: per_rate[str(rate)][s]["goodput"][spec.slo.objective] for s in SYSTEMS}
             progress(
@@ -355,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cvs", nargs="+", type=float, default=[0.5, 1.0, 2.0])
     ap.add_argument("--dispatch-sweep", action="store_true", help="compare dispatch policies instead")
+    ap.add_argument("--tuner", choices=["has", "grid"], default="has",
+                    help="how easerve's configuration is chosen: HAS (default; budget 30, goodput@objective) "
+                    "or an exhaustive grid over the top-3 allocations x B x s")
     ap.add_argument("--quick", action="store_true", help="rates 2 and 4, 200 requests, 100 tuning requests")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = ap.parse_args(argv)

@@ -6,8 +6,8 @@ Shape of the loop:
   renders the children (pure), and applies only those that are missing or drifted. It never
   writes ``spec``; it writes ``status``.
 * Child events (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
-  re-applied from the owner's spec. Deployment and Pod events refresh the owner's status, so
-  conditions move Progressing -> Ready as pods become ready, with no polling. Pods are not watched:
+  re-applied from the owner's spec. Deployment events refresh the owner's status, so conditions
+  move Progressing -> Ready as pods become ready, with no polling. Pods are not watched:
   while an owner is not Ready, a timer asks for its unbound pods to report InsufficientCapacity.
 * kopf *indexes* keep an in-memory view of owners and children (as compressed JSON), so the hot
   path reads memory, not the API server; a restart re-lists them before any handler runs, which
