@@ -78,10 +78,8 @@ class SimStageProfiler:
         return int(self._inner.min_tp())
 
     def local_prefill_tp(self) -> int:
-        """TP of the twin's local prefill worker: it spans that many encode GPUs."""
-        from easerve_runtime.sim import twin
-
-        return self.min_tp() if hasattr(twin, "local_prefill_tp") else 1
+        """TP of the twin's local prefill worker: it spans ``min_tp`` encode GPUs (the backbone must fit)."""
+        return self.min_tp()
 
     def encode_throughput(self, batch: int) -> Probe:
         p = self._inner.encode_throughput(batch)
@@ -105,7 +103,7 @@ class SimStageProfiler:
             None, True
         )
         c_p = self._inner.prefill_capacity(self.min_tp()).value
-        idle_cap = self._inner._prefill(self.local_prefill_tp(), max(share / dilation, 1e-3)).value
+        idle_cap = self._inner.local_prefill_capacity(share / dilation).value
         idle = idle_cap / c_p if c_p > 0 else 0.0
         c_e = self._inner.encode_capacity()[0]
         u = min(1.0, self.rate / c_e) if c_e > 0 else 1.0
