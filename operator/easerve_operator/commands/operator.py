@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-port", type=int, default=8080, help="liveness endpoint /healthz port (0: off)"
     )
     parser.add_argument("--bind", default="0.0.0.0", help="bind address of the metrics and health endpoints")
+    parser.add_argument("--worker-limit", type=int, default=0,
+                        help="most objects handled at once (bounds memory during bursts; 0: unlimited)")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -96,6 +98,8 @@ def run(args: argparse.Namespace) -> int:
     from prometheus_client import start_http_server
 
     from easerve_operator.reconcile import handlers, tuning  # noqa: F401 - registers the HAS daemon
+
+    handlers.OPTIONS.worker_limit = max(0, args.worker_limit)
 
     if args.webhook_port:
         cert, key = args.webhook_cert, args.webhook_key

@@ -59,6 +59,7 @@ class Options:
     webhook_cert: str | None = None
     webhook_key: str | None = None
     webhook_managed: str = "easerve.io"
+    worker_limit: int = 0  # 0: unlimited (fastest); see --worker-limit
 
 
 OPTIONS = Options()
@@ -467,7 +468,12 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
     settings.persistence.finalizer = "easerve.io/finalizer"
     settings.posting.level = logging.WARNING  # an Event per success is noise at 200+ objects
-    settings.batching.idle_timeout = 1.0  # per-object workers exit sooner: fewer idle tasks in memory
+    # Per-object workers exit soon after their last event. `--worker-limit N` also caps how many
+    # run at once, which bounds the event bodies in flight during a burst at a cost in speed
+    # (200 creates: 195 MB / 10.3 s unlimited, 144 MB / 12.1 s at 48; docs/benchmarks.md).
+    settings.batching.idle_timeout = 0.2
+    if OPTIONS.worker_limit > 0:
+        settings.batching.worker_limit = OPTIONS.worker_limit
     settings.watching.connect_timeout = 10
     settings.networking.request_timeout = 30
     if OPTIONS.webhook:
