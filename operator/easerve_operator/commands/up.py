@@ -150,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
         for p in reversed(procs):
             if p.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
-                    # `easerve serve` runs in its own session: signal its whole process group
-                    os.killpg(p.pid, signal.SIGTERM) if p.pid == os.getpgid(p.pid) else p.terminate()
+                    if p.pid == os.getpgid(p.pid):  # `easerve serve` leads its own group: stop it all
+                        os.killpg(p.pid, signal.SIGTERM)
+                    else:
+                        p.terminate()
                 try:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:

@@ -81,10 +81,10 @@ def _apply_config(args: argparse.Namespace) -> object | None:
     if args.policy != "encode-batch-split" or args.table is not None:
         return None
     from easerve_runtime.profiles import load_profile
-    from easerve_runtime.sim.latency import StageModel
-    from easerve_runtime.sim.shares import partition_table
+    from easerve_runtime.profiles.partition import partition_table
 
-    return partition_table(StageModel(load_profile(cfg.spec.engine.profile)), epsilon=part.epsilon)
+    profile = load_profile(cfg.spec.engine.profile)
+    return partition_table(profile, profile.sms, epsilon=part.epsilon)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -18,22 +18,12 @@ Each answer is ``(share, dilation)``: the SM fraction and a time multiplier.
 from __future__ import annotations
 
 from easerve_runtime.config import EPDDeploymentSpec, PartitionMode
-from easerve_runtime.policies.partition import EncodeBatchSplit, PartitionTable, default_ladder
+from easerve_runtime.policies.partition import EncodeBatchSplit
+from easerve_runtime.profiles.partition import partition_table
 from easerve_runtime.sim.latency import StageModel
 
 NONE_ENCODE_DILATION = 30.4 / 8.14
 NONE_PREFILL_DILATION = 19.4 / 13.8
-TABLE_BATCHES = (1, 2, 4, 8, 16, 32, 64)
-TABLE_EPSILON = 0.1  # the default of spec.smPartition.epsilon
-
-
-def partition_table(model: StageModel, epsilon: float = TABLE_EPSILON) -> PartitionTable:
-    """The knee table the encode worker would load, from the profile's encode-vs-SM curve."""
-    total = model.total_sms
-    lat = {sms: {b: model.encode_s(b, sms / total) for b in TABLE_BATCHES} for sms in default_ladder(total)}
-    return PartitionTable.from_latencies(total, lat, epsilon=epsilon)
-
-
 class ShareModel:
     def __init__(self, spec: EPDDeploymentSpec, model: StageModel, colocated: bool) -> None:
         self.total = model.total_sms
@@ -42,7 +32,8 @@ class ShareModel:
         self.split: EncodeBatchSplit | None = None
         self.static_share = 1.0
         if self.mode == PartitionMode.DYNAMIC:
-            self.split = EncodeBatchSplit(partition_table(model, epsilon=spec.sm_partition.epsilon))
+            table = partition_table(model, model.total_sms, epsilon=spec.sm_partition.epsilon)
+            self.split = EncodeBatchSplit(table)
         elif self.mode == PartitionMode.STATIC:
             sms = spec.sm_partition.static_encode_sms or self.total // 2
             self.static_share = min(sms, self.total) / self.total
