@@ -125,30 +125,38 @@ class _Seqlock:
             magic, version, _, _ = _HEAD.unpack_from(self._mm, 0)
             if magic != MAGIC or version != VERSION:
                 raise ValueError(f"{self.path}: not an EAServe partition record (magic/version)")
+        # `seq` is loaded and stored as ONE aligned native 8-byte word. struct's "<Q" packs and
+        # unpacks byte by byte, so a reader could see a half-updated seq across a carry (255 -> 256)
+        # and accept a torn payload; a memoryview item access is a single machine load/store.
+        # (Native order is little-endian on the x86-64 and arm64 hosts we run on.)
+        self._seq = memoryview(self._mm).cast("Q")
+        self._seq_index = SEQ_OFFSET // 8
 
     def write(self, *values: object) -> int:
-        (seq,) = struct.unpack_from("<Q", self._mm, SEQ_OFFSET)
+        seqs, i = self._seq, self._seq_index
+        seq = seqs[i]
         if seq % 2:
             seq += 1
-        struct.pack_into("<Q", self._mm, SEQ_OFFSET, seq + 1)  # odd: update in progress
+        seqs[i] = seq + 1  # odd: update in progress
         self.payload.pack_into(self._mm, _HEAD.size, *values)
-        struct.pack_into("<Q", self._mm, SEQ_OFFSET, seq + 2)  # even: consistent
-        return seq + 2
+        seqs[i] = seq + 2  # even: consistent
+        return int(seq + 2)
 
     def read(self, retries: int = 10_000) -> tuple[int, tuple[Any, ...]]:
-        mm = self._mm
+        mm, seqs, k = self._mm, self._seq, self._seq_index
         for i in range(retries):
-            (s1,) = struct.unpack_from("<Q", mm, SEQ_OFFSET)
+            s1 = seqs[k]
             if s1 % 2 == 0:
                 values = self.payload.unpack_from(mm, _HEAD.size)
-                (s2,) = struct.unpack_from("<Q", mm, SEQ_OFFSET)
+                s2 = seqs[k]
                 if s1 == s2:
-                    return s1, values
+                    return int(s1), values
             if i > 100:
                 time.sleep(0)
         raise TornReadError(f"{self.path}: no consistent read in {retries} tries (writer stuck mid-update?)")
 
     def close(self) -> None:
+        self._seq.release()
         self._mm.close()
 
 
