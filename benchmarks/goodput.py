@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import DispatchPolicy, EPDDeploymentSpec, PartitionMode, load_manifest
+from easerve_runtime.api import DispatchPolicy, EPDDeploymentSpec, PartitionMode, load_manifest
 from easerve_runtime.sim import SYSTEMS, best_of, simulate_system
 from easerve_runtime.sim.allocations import feasible_allocations
 from easerve_runtime.sim.runner import cached_model

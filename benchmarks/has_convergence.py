@@ -122,7 +122,7 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from easerve_operator.tuning.search import tune
     from easerve_operator.tuning.space import space_for
     from easerve_operator.tuning.stage1 import run_stage1
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     spec = load_manifest(ROOT / "examples" / f"{name}.yaml")[1]
     profiler = SimStageProfiler(spec, rate=args.rate)

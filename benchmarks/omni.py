@@ -28,7 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import OmniClass, OmniSpec
+from easerve_runtime.api import OmniClass, OmniSpec
 from easerve_runtime.omni.engine import make_throttle
 from easerve_runtime.omni.profile import load_omni_profile
 from easerve_runtime.policies.omni import FCFSScheduler, OmniRequest, OmniScheduler, PathKind

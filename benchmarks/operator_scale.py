@@ -35,7 +35,7 @@ BARE_OPERATOR = '''
 import kopf, json, os, sys
 sys.path.insert(0, os.environ["REPO"] + "/operator"); sys.path.insert(0, os.environ["REPO"] + "/runtime")
 from kubernetes import client, config
-from easerve_runtime.config import parse_spec
+from easerve_runtime.api import parse_spec
 from easerve_operator.render import render_children
 config.load_kube_config()
 api = client.ApiClient()

@@ -34,7 +34,7 @@ MAX_DECODE_BATCH = 256
 
 
 def capacities(example: str, gpu: str, n: int) -> dict[str, Any]:
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
     from easerve_runtime.profiles import load_profile
     from easerve_runtime.workload import generate
 

@@ -53,7 +53,7 @@ asyncio.run(main())
 
 
 def decisions(n: int, repeats: int, rate: float) -> dict[str, dict[str, float]]:
-    from easerve_runtime.config import EncodeSpec
+    from easerve_runtime.api import EncodeSpec
     from easerve_runtime.policies.batcher import make_batcher
     from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding, Route
 

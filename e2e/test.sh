@@ -13,7 +13,7 @@ unset KUBECONFIG  # the suite starts its own private control plane
 echo "== ruff"; ruff check .
 echo "== import contracts"; lint-imports
 echo "== mypy (pure core)"
-mypy runtime/easerve_runtime/config.py runtime/easerve_runtime/policies runtime/easerve_runtime/profiles \
+mypy runtime/easerve_runtime/api runtime/easerve_runtime/policies runtime/easerve_runtime/profiles \
   operator/easerve_operator/api operator/easerve_operator/render operator/easerve_operator/reconcile/status.py \
   operator/easerve_operator/reconcile/drift.py operator/easerve_operator/tuning/stage1.py \
   operator/easerve_operator/tuning/stage2.py operator/easerve_operator/tuning/space.py

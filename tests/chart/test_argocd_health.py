@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 from easerve_operator.reconcile.status import StageObservation, compute_status
-from easerve_runtime.config import load_manifest
+from easerve_runtime.api import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 LUA = REPO / "charts" / "easerve" / "argocd" / "health.lua"

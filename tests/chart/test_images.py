@@ -204,7 +204,7 @@ def test_gpu_image_matches_the_dynamo_runtime_pin() -> None:
 
 def test_runtime_image_default_matches_the_spec_default() -> None:
     """The spec's default engine image is the CPU runtime image this repo builds."""
-    from easerve_runtime.config import EngineSpec
+    from easerve_runtime.api import EngineSpec
 
     default = EngineSpec.model_fields["image"].default
     assert default.split("/")[-1].split(":")[0] == "runtime-cpu"

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 from easerve_operator.render.omni import render_omni
-from easerve_runtime.config import RuntimeConfig, load_manifest
+from easerve_runtime.api import RuntimeConfig, load_manifest
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "qwen2.5-omni.yaml"
 OWNER = {

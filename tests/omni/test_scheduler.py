@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from easerve_runtime.config import OmniClass, OmniSpec
+from easerve_runtime.api import OmniClass, OmniSpec
 from easerve_runtime.policies.omni import (
     EDFScheduler,
     FCFSScheduler,

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from easerve_runtime.config import load_manifest
+from easerve_runtime.api import load_manifest
 from easerve_runtime.omni.profile import Sharing, available, load_omni_profile
 from easerve_runtime.policies.omni import class_table
 from easerve_runtime.sim.omni import SYSTEMS, make_workload, run_cli, simulate, slo_table

@@ -7,9 +7,8 @@ from typing import Any
 
 import pytest
 import yaml
-from easerve_operator.api import EPDDeploymentSpec, parse_spec, spec_errors
 from easerve_operator.api.crd import CRD_FILENAME, build_crd, crd_yaml
-from easerve_runtime.config import load_manifest
+from easerve_runtime.api import EPDDeploymentSpec, load_manifest, parse_spec, spec_errors
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError

@@ -11,7 +11,7 @@ import pytest
 import yaml
 from easerve_operator.render import render_children
 from easerve_operator.render.stages import child_name, stage_config_hash
-from easerve_runtime.config import RuntimeConfig, load_manifest
+from easerve_runtime.api import RuntimeConfig, load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"

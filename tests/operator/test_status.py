@@ -6,7 +6,7 @@ from pathlib import Path
 
 from easerve_operator.reconcile.drift import covers, drifted
 from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
-from easerve_runtime.config import load_manifest
+from easerve_runtime.api import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 NAME, SPEC = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")

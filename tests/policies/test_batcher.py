@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from easerve_runtime.config import EncodeSpec
+from easerve_runtime.api import EncodeSpec
 from easerve_runtime.policies.batcher import (
     Dispatch,
     DispatchReason,

@@ -34,7 +34,7 @@ def test_names_and_unknown():
 def test_examples_name_shipped_profiles():
     from pathlib import Path
 
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     for f in sorted(Path(__file__).resolve().parents[2].joinpath("examples").glob("*.yaml")):
         _, spec = load_manifest(f)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from easerve_operator.cli import main as easerve
-from easerve_runtime.config import RuntimeConfig, load_manifest
+from easerve_runtime.api import RuntimeConfig, load_manifest
 from easerve_runtime.workers.dynamo_rt import dynamo_env, local_prefill_component
 from easerve_runtime.workers.launcher import plan
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from easerve_runtime.config import EPDDeploymentSpec, load_manifest
+from easerve_runtime.api import EPDDeploymentSpec, load_manifest
 from easerve_runtime.engines.base import DecodeSequence, EncodeInput, MediaPart, PrefillInput
 from easerve_runtime.engines.sim import SimEngine, token_at
 from easerve_runtime.metrics import Metrics

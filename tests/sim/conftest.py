@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from easerve_runtime.config import load_manifest  # noqa: E402
+from easerve_runtime.api import load_manifest  # noqa: E402
 from easerve_runtime.sim.latency import StageModel  # noqa: E402
 from toy import ToyProfile  # noqa: E402
 

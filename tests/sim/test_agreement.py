@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import EXAMPLES
 from easerve_operator.cli import COMMANDS, _load
-from easerve_runtime.config import load_manifest
+from easerve_runtime.api import load_manifest
 from easerve_runtime.sim import simulate
 from easerve_runtime.workload import generate, write_trace
 

@@ -85,7 +85,7 @@ def test_seeded_cli_runs_are_identical_and_gamma_differs(capsys) -> None:
 
 
 def test_trace_replay_matches_generated(tmp_path: Path, capsys) -> None:
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     spec = load_manifest(EXAMPLES["llava-v1.6-34b"])[1]
     p = tmp_path / "t.jsonl"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from easerve_runtime.config import DispatchPolicy
+from easerve_runtime.api import DispatchPolicy
 from easerve_runtime.sim import SYSTEMS, simulate
 from easerve_runtime.sim.systems import best_of, variant
 from easerve_runtime.workload import Request, generate
@@ -178,7 +178,7 @@ def test_aggregated_chunked_prefill_conserves_work_and_first_token_waits_for_the
 
 def test_all_local_prefill_with_an_odd_encoder_count_is_rejected_naming_the_field(llava_spec) -> None:
     """Local prefill of a TP2 backbone on 3 encode GPUs leaves one GPU with nowhere to prefill."""
-    from easerve_runtime.config import Allocation, StageAllocation
+    from easerve_runtime.api import Allocation, StageAllocation
     from easerve_runtime.sim.runner import cached_model
 
     a = Allocation(

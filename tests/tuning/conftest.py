@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from easerve_operator.tuning.runners import Probe, TrialMetrics
-from easerve_runtime.config import EPDDeploymentSpec, load_manifest
+from easerve_runtime.api import EPDDeploymentSpec, load_manifest
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -106,7 +106,7 @@ def test_cli_resumes_after_sigkill(tmp_path):
 
 def test_twin_profiler_alpha_is_the_duty_cycle_average():
     from easerve_operator.tuning.runners.sim import SimStageProfiler
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     spec = load_manifest(AUDIO)[1]
     prof = SimStageProfiler(spec, requests=32, rate=4.0)

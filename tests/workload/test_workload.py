@@ -8,7 +8,7 @@ import random
 from pathlib import Path
 
 import pytest
-from easerve_runtime.config import SLOSpec, load_manifest
+from easerve_runtime.api import SLOSpec, load_manifest
 from easerve_runtime.workload import (
     Request,
     RequestRecord,

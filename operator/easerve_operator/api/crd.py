@@ -16,9 +16,8 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from easerve_runtime.config import GROUP, KIND, PLURAL, VERSION, EPDDeploymentSpec
-
-from easerve_operator.api.status import EPDDeploymentStatus
+from easerve_runtime.api import GROUP, KIND, PLURAL, VERSION, EPDDeploymentSpec
+from easerve_runtime.api.status import EPDDeploymentStatus
 
 SHORT_NAMES = ["epd"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 
 from easerve_operator.api.crd import _resolve, build_crd
 

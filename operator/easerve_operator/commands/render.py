@@ -26,9 +26,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import yaml
+    from easerve_runtime.api import KIND, parse_spec, spec_errors
     from pydantic import ValidationError
 
-    from easerve_operator.api import KIND, parse_spec, spec_errors
     from easerve_operator.render import render_children
 
     with open(args.file) as fh:

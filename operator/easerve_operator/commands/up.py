@@ -68,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
         print("error: `easerve up` needs a source checkout (it uses e2e/local_cluster.py)", file=sys.stderr)
         return 2
     import yaml
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     name, _spec = load_manifest(args.file)  # fail early, with field names, on a bad file
     sys.path.insert(0, str(e2e))

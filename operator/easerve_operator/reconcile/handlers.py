@@ -29,7 +29,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import kopf
-from easerve_runtime.config import GROUP, PLURAL, VERSION, EPDDeploymentSpec, parse_spec, spec_errors
+from easerve_runtime.api import (
+    FINALIZER,
+    GROUP,
+    LABEL_DEPLOYMENT,
+    LABEL_STAGE,
+    PLURAL,
+    VERSION,
+    EPDDeploymentSpec,
+    parse_spec,
+    spec_errors,
+)
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
@@ -40,8 +50,8 @@ from easerve_operator.reconcile.status import StageObservation, compute_status, 
 from easerve_operator.render import render_children
 
 MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
-OWNER_LABEL = "easerve.io/deployment"
-STAGE_LABEL = "easerve.io/stage"
+OWNER_LABEL = LABEL_DEPLOYMENT
+STAGE_LABEL = LABEL_STAGE
 CHILD_KINDS = (
     ("", "v1", "configmaps", "ConfigMap"),
     ("", "v1", "services", "Service"),
@@ -466,7 +476,7 @@ def enable_webhook(host: str, port: int, cert: str | None, key: str | None) -> N
 def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
-    settings.persistence.finalizer = "easerve.io/finalizer"
+    settings.persistence.finalizer = FINALIZER
     settings.posting.level = logging.WARNING  # an Event per success is noise at 200+ objects
     # Per-object workers exit soon after their last event. `--worker-limit N` also caps how many
     # run at once, which bounds the event bodies in flight during a burst at a cost in speed

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from easerve_runtime.config import GROUP, PLURAL, VERSION
+from easerve_runtime.api import GROUP, PLURAL, VERSION
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 

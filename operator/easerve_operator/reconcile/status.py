@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
-
-from easerve_operator.api.status import Phase, Reason
+from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.api.status import Phase, Reason
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Reconciling", "Stalled")
 

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import kopf
-from easerve_runtime.config import GROUP, PLURAL, VERSION, EPDDeploymentSpec, parse_spec
+from easerve_runtime.api import GROUP, PLURAL, VERSION, EPDDeploymentSpec, parse_spec
 from pydantic import ValidationError
 
 from easerve_operator.reconcile.kube import Kube

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from easerve_runtime.config import DeploymentMode, EPDDeploymentSpec
+from easerve_runtime.api import DeploymentMode, EPDDeploymentSpec
 
 from easerve_operator.render.stages import (
     STAGES,

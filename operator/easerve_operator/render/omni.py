@@ -18,15 +18,12 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import CONFIG_PATH, GPU_RESOURCE, HTTP_PORT, SYSTEM_PORT, EPDDeploymentSpec
 
 from easerve_operator.render.stages import config_map_name, stage_name
 
 STAGE = "omni"
-CONFIG_PATH = "/etc/easerve/config.json"
-HTTP_PORT = 8000
-SYSTEM_PORT = 9090
-GPU = "nvidia.com/gpu"
+GPU = GPU_RESOURCE
 
 
 def _labels(name: str) -> dict[str, str]:

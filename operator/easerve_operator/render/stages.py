@@ -14,14 +14,20 @@ import hashlib
 import json
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec, RuntimeConfig, StageAllocation, dynamo_namespace
+from easerve_runtime.api import (
+    CONFIG_PATH,
+    GPU_RESOURCE,
+    HTTP_PORT,
+    SYSTEM_PORT,
+    EPDDeploymentSpec,
+    RuntimeConfig,
+    StageAllocation,
+    dynamo_namespace,
+)
 
 STAGES = ("encode", "prefill", "decode")
-CONFIG_PATH = "/etc/easerve/config.json"
-HTTP_PORT = 8000
-SYSTEM_PORT = 9090
 TCP_MAX_MESSAGE = str(256 * 1024 * 1024)
-GPU = "nvidia.com/gpu"
+GPU = GPU_RESOURCE
 
 # Which parts of the spec each stage's processes read: the config hash of a stage covers only these.
 _COMMON = ("model", "engine", "discovery", "mode", "observability")

@@ -137,7 +137,7 @@ def plot_convergence(result: Any, path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from easerve_runtime.config import load_manifest, spec_errors
+    from easerve_runtime.api import load_manifest, spec_errors
     from pydantic import ValidationError
 
     from easerve_operator.tuning.loop import StopRules

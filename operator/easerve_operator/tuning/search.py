@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 
 from easerve_operator.tuning.loop import Proposer, SearchOutcome, StopRules, run_search
 from easerve_operator.tuning.records import RecordStore, TrialRecord, spec_digest

@@ -23,7 +23,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from easerve_runtime.config import (
+from easerve_runtime.api import (
     Allocation,
     EPDDeploymentSpec,
     OffloadSpec,

@@ -6,8 +6,8 @@ import math
 from collections import Counter
 from typing import Any
 
+from easerve_runtime.api import SLOSpec, SLOTier
 from easerve_runtime.bench.load import Outcome
-from easerve_runtime.config import SLOSpec, SLOTier
 from easerve_runtime.workload.metrics import summarize
 
 _NO_SLO = SLOSpec(tiers=[SLOTier(name="any", ttft_seconds=3600, tpot_ms=60_000)], objective="any")

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.spec:
         from pydantic import ValidationError
 
-        from easerve_runtime.config import load_manifest, spec_errors
+        from easerve_runtime.api import load_manifest, spec_errors
 
         try:
             _, spec = load_manifest(args.spec)

@@ -60,7 +60,7 @@ def p95(xs: list[float]) -> float:
 
 
 def run(args: argparse.Namespace) -> int:
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
     from easerve_runtime.policies.omni import SLOTable, class_table
 
     name, spec = load_manifest(args.file)

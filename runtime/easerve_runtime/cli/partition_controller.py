@@ -69,7 +69,7 @@ def _apply_config(args: argparse.Namespace) -> object | None:
     """Fill unset flags from the deployment's spec; return a table built from the latency profile
     for ``dynamic`` mode when no measured ``--table`` is given (the sim engine's ground truth, and
     a sane start on real GPUs until `easerve profile-partition` has run)."""
-    from easerve_runtime.config import RuntimeConfig
+    from easerve_runtime.api import RuntimeConfig
 
     cfg = RuntimeConfig.from_json(args.config.read_text())
     part = cfg.spec.sm_partition

@@ -25,7 +25,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from pydantic import ValidationError
 
-    from easerve_runtime.config import spec_errors
+    from easerve_runtime.api import spec_errors
 
     try:
         return serve(args.file, args.port, args.workdir)

@@ -64,7 +64,7 @@ def _err(msg: str) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from easerve_runtime.config import DeploymentMode, load_manifest, spec_errors
+    from easerve_runtime.api import DeploymentMode, load_manifest, spec_errors
 
     try:
         name, spec = load_manifest(args.file)

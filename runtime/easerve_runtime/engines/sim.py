@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.engines.base import (
     DecodeSequence,
     Embedding,

@@ -7,7 +7,7 @@ out of scope for now: the sim engine models them from measured profiles.
 
 from __future__ import annotations
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 
 
 def make_torch_engine(spec: EPDDeploymentSpec) -> object:

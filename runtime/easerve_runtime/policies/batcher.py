@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Generic, Protocol, TypeVar
 
-from easerve_runtime.config import DispatchPolicy, EncodeSpec
+from easerve_runtime.api import DispatchPolicy, EncodeSpec
 
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)

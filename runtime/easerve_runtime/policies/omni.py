@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from easerve_runtime.config import OmniClass, OmniSpec, OutputModality
+from easerve_runtime.api import OmniClass, OmniSpec, OutputModality
 
 DEFAULT_PRIORITY: dict[str, int] = {"text": 0, "audio": 10, "image": 20}
 """API priority -> output modality (HorizonServe §5): 0 text, 10 audio, 20 image."""

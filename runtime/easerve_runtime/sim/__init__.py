@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.sim.systems import SYSTEMS, SimResult, best_of, model_for, simulate_system, variant
 from easerve_runtime.workload.request import Request
 

@@ -12,7 +12,7 @@ may use this one to cross-check.
 
 from __future__ import annotations
 
-from easerve_runtime.config import Allocation, StageAllocation
+from easerve_runtime.api import Allocation, StageAllocation
 from easerve_runtime.sim.latency import StageModel
 
 TP_OPTIONS = (1, 2, 4, 8)

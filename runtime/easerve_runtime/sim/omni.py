@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec, OmniSpec
+from easerve_runtime.api import EPDDeploymentSpec, OmniSpec
 from easerve_runtime.omni.engine import Job, OmniEngine, make_throttle
 from easerve_runtime.omni.profile import ClassProfile, OmniProfile, Sharing, load_omni_profile
 from easerve_runtime.policies.omni import (
@@ -290,7 +290,7 @@ def run_cli(name: str, spec: EPDDeploymentSpec, args: argparse.Namespace) -> int
 
 
 def _main(argv: list[str] | None = None) -> int:
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     p = argparse.ArgumentParser(prog="python -m easerve_runtime.sim.omni")
     p.add_argument("-f", "--file", required=True)

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.sim.allocations import feasible_tps
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.systems import model_for, simulate_system
 from easerve_runtime.workload.generate import generate

@@ -17,7 +17,7 @@ Each answer is ``(share, dilation)``: the SM fraction and a time multiplier.
 
 from __future__ import annotations
 
-from easerve_runtime.config import EPDDeploymentSpec, PartitionMode
+from easerve_runtime.api import EPDDeploymentSpec, PartitionMode
 from easerve_runtime.policies.partition import EncodeBatchSplit
 from easerve_runtime.profiles.partition import partition_table
 from easerve_runtime.sim.latency import StageModel

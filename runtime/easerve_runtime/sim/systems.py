@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from easerve_runtime.config import (
+from easerve_runtime.api import (
     Allocation,
     DispatchPolicy,
     EPDDeploymentSpec,

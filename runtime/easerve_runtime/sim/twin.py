@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding
 from easerve_runtime.sim.events import EventLoop

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import DiscoveryBackend, RuntimeConfig
+from easerve_runtime.api import SYSTEM_PORT, DiscoveryBackend, RuntimeConfig
 
 log = logging.getLogger("easerve.runtime")
 
@@ -26,7 +26,7 @@ TCP_MAX_MESSAGE_SIZE = 512 * 1024 * 1024
 (64 x 576 x 7168 x 2 bytes = 528 MB before padding) must fit in one request-plane message."""
 
 DEFAULT_FILE_KV = "/tmp/easerve-kv"
-DEFAULT_SYSTEM_PORT = 9090
+DEFAULT_SYSTEM_PORT = SYSTEM_PORT
 
 COMPONENT_ENCODE = "encode"
 COMPONENT_PREFILL = "prefill"

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.engines.base import Embedding, EncodeEngine, EncodeInput, MediaPart
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.batcher import Dispatch, make_batcher

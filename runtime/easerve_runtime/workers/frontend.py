@@ -20,7 +20,7 @@ from typing import Any
 
 from aiohttp import web
 
-from easerve_runtime.config import RuntimeConfig
+from easerve_runtime.api import RuntimeConfig
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.workers.openai import MAX_BODY_BYTES, ChatRequest, RequestError, parse_chat_request
 from easerve_runtime.workers.pool import StageError, StagePool

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import DeploymentMode, EPDDeploymentSpec, RuntimeConfig, dynamo_namespace
+from easerve_runtime.api import DeploymentMode, EPDDeploymentSpec, RuntimeConfig, dynamo_namespace
 
 log = logging.getLogger("easerve.serve")
 
@@ -230,7 +230,7 @@ class Launcher:
 
 def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] | None = None) -> int:
     """Run the deployment in ``path`` until SIGINT/SIGTERM; 0 on a clean stop."""
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     name, spec = load_manifest(path)
     if spec.mode == DeploymentMode.OMNI_COLOCATED:  # one process over one shared engine

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import Backend, EPDDeploymentSpec, RuntimeConfig
+from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
@@ -187,7 +187,7 @@ def run(stage: str, config_path: str, **kw: Any) -> int:
     """Load the ConfigMap JSON and run the stage until stopped."""
     from pydantic import ValidationError
 
-    from easerve_runtime.config import spec_errors
+    from easerve_runtime.api import spec_errors
 
     try:
         with open(config_path) as f:

@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.omni.engine import Job, OmniEngine
 from easerve_runtime.omni.metrics import OmniMetrics
 from easerve_runtime.omni.profile import load_omni_profile
@@ -331,7 +331,7 @@ def run_stage(stage: str, name: str, spec: EPDDeploymentSpec, port: int | None =
 
 
 def main(argv: list[str] | None = None) -> int:
-    from easerve_runtime.config import load_manifest
+    from easerve_runtime.api import load_manifest
 
     p = argparse.ArgumentParser(
         prog="python -m easerve_runtime.workers.omni", description=__doc__.splitlines()[0]

@@ -21,7 +21,7 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-from easerve_runtime.config import Modality
+from easerve_runtime.api import Modality
 from easerve_runtime.engines.base import MediaPart
 
 MAX_PART_BYTES = 20 * 1024 * 1024

@@ -13,7 +13,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec, Modality
+from easerve_runtime.api import EPDDeploymentSpec, Modality
 from easerve_runtime.workload.arrivals import arrival_times
 from easerve_runtime.workload.media import is_anyres, items_tokens
 from easerve_runtime.workload.request import Request

@@ -15,7 +15,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from easerve_runtime.config import SLOSpec, SLOTier
+from easerve_runtime.api import SLOSpec, SLOTier
 from easerve_runtime.workload.request import RequestRecord
 
 

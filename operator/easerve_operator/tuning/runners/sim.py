@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from easerve_runtime.config import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec
 
 from easerve_operator.tuning.runners import Probe, TrialMetrics
 
@@ -57,7 +57,7 @@ class SimStageProfiler:
         seed: int = 0,
         rate: float | None = None,
     ) -> None:
-        from easerve_runtime.config import OffloadSpec, PartitionMode
+        from easerve_runtime.api import OffloadSpec, PartitionMode
         from easerve_runtime.sim.profiler import SimProfiler
 
         mode = spec.sm_partition.mode

@@ -5,36 +5,21 @@ reconciles with them, and renders the runtime ConfigMap through them; the worker
 simulator and the tuner read their configuration through them. Python names are snake_case,
 the wire format (YAML, JSON, CRD) is camelCase.
 
-Cross-field rules that an OpenAPI schema cannot express live in model validators here, and
-raise errors that name the offending field by its full wire path (``spec.offload.ratio``), so
-``kubectl apply`` and the reconciler can both report them verbatim.
+Cross-field rules that an OpenAPI schema cannot express live in ``api/rules.py`` and run in the
+spec's model validator, so every way of building a spec checks them.
 """
 
 from __future__ import annotations
 
-import json
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic.alias_generators import to_camel
 
-GROUP = "easerve.io"
-VERSION = "v1alpha1"
-KIND = "EPDDeployment"
-PLURAL = "epddeployments"
-TIER_NAMES = ("strict", "tight", "moderate", "loose", "relaxed")
-
-
-class SpecError(ValueError):
-    """A cross-field rule failed; ``path`` is the wire path of the field to fix."""
-
-    def __init__(self, path: str, message: str) -> None:
-        super().__init__(f"{path}: {message}")
-        self.path = path
-        self.message = message
+from easerve_runtime.api.constants import KIND
 
 
 class Model(BaseModel):
@@ -299,6 +284,8 @@ class EPDDeploymentSpec(Model):
 
     @model_validator(mode="after")
     def _cross_field(self) -> EPDDeploymentSpec:
+        from easerve_runtime.api.rules import cross_field_errors  # rules read the models
+
         for err in cross_field_errors(self):
             raise err
         return self
@@ -310,79 +297,6 @@ class EPDDeploymentSpec(Model):
     @property
     def has_local_prefill(self) -> bool:
         return self.mode == DeploymentMode.DISAGGREGATED and self.offload.ratio < 1.0
-
-
-def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
-    """Rules the schema cannot express. Each names its field by wire path."""
-    errs: list[SpecError] = []
-    a = spec.allocation
-    tier_names = [t.name for t in spec.slo.tiers]
-    if len(set(tier_names)) != len(tier_names):
-        errs.append(SpecError("spec.slo.tiers", f"tier names must be unique, got {tier_names}"))
-    if spec.slo.objective not in tier_names:
-        errs.append(SpecError("spec.slo.objective", f"'{spec.slo.objective}' is not a tier in spec.slo.tiers {tier_names}"))
-    if spec.tuning.objective.startswith("goodput@"):
-        tier = spec.tuning.objective.split("@", 1)[1]
-        if tier not in tier_names:
-            errs.append(SpecError("spec.tuning.objective", f"tier '{tier}' is not in spec.slo.tiers {tier_names}"))
-    if spec.tuning.enabled and spec.tuning.target_rate is None:
-        errs.append(SpecError("spec.tuning.targetRate", "is required when spec.tuning.enabled is true"))
-    if spec.mode == DeploymentMode.OMNI_COLOCATED:
-        if spec.omni is None:
-            errs.append(SpecError("spec.omni", "is required when spec.mode is omni-colocated"))
-        if spec.model.modality != Modality.OMNI:
-            errs.append(SpecError("spec.model.modality", "must be omni when spec.mode is omni-colocated"))
-        if spec.omni is not None and spec.omni.n_min > spec.omni.n_max:
-            errs.append(SpecError("spec.omni.nMin", f"({spec.omni.n_min}) must not exceed spec.omni.nMax ({spec.omni.n_max})"))
-        return errs
-    if spec.omni is not None:
-        errs.append(SpecError("spec.omni", "is only valid when spec.mode is omni-colocated"))
-    if a.encode.tensor_parallel != 1:
-        errs.append(SpecError("spec.allocation.encode.tensorParallel", "encode workers use one GPU each (must be 1)"))
-    if a.decode.replicas < 1:
-        errs.append(SpecError("spec.allocation.decode.replicas", "at least one decode worker is required"))
-    if a.encode.replicas < 1:
-        errs.append(SpecError("spec.allocation.encode.replicas", "at least one encode worker is required"))
-    if a.gpus > spec.gpu_budget:
-        errs.append(
-            SpecError(
-                "spec.allocation",
-                f"needs {a.gpus} GPUs ({a.label()}), more than spec.gpuBudget={spec.gpu_budget}",
-            )
-        )
-    s = spec.offload.ratio
-    if s > 0 and a.prefill.replicas < 1:
-        errs.append(
-            SpecError("spec.offload.ratio", f"is {s} but spec.allocation.prefill.replicas is 0: nothing to offload to")
-        )
-    if s < 1 and a.encode.replicas < 1:
-        errs.append(SpecError("spec.offload.ratio", f"is {s} (< 1) but there are no encode GPUs to host local prefill"))
-    if spec.sm_partition.mode != PartitionMode.NONE and s >= 1:
-        errs.append(
-            SpecError(
-                "spec.smPartition.mode",
-                f"is {spec.sm_partition.mode} but spec.offload.ratio is 1: no local prefill shares the encode GPU",
-            )
-        )
-    if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
-        errs.append(SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static"))
-    return errs
-
-
-def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[str]:
-    """Format a pydantic error as ``spec.a.b: message`` lines naming each field by wire path."""
-    out: list[str] = []
-    for e in exc.errors():
-        ctx_err = (e.get("ctx") or {}).get("error")
-        if isinstance(ctx_err, SpecError):
-            out.append(str(ctx_err))
-            continue
-        loc = ".".join([prefix] + [str(p) for p in e["loc"]])
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            msg = "unknown field"
-        out.append(f"{loc}: {msg}")
-    return out
 
 
 def parse_spec(data: dict[str, Any]) -> EPDDeploymentSpec:
@@ -397,24 +311,4 @@ def load_manifest(path: str | Path) -> tuple[str, EPDDeploymentSpec]:
             return d["metadata"]["name"], parse_spec(d.get("spec") or {})
     raise ValueError(f"{path}: no {KIND} document found")
 
-
-class RuntimeConfig(Model):
-    """What a worker pod reads from its ConfigMap: where it is, and the spec it serves."""
-
-    name: str
-    namespace: str = "default"
-    dynamo_namespace: str = Field(description="Dynamo namespace: endpoints are <ns>.<stage>.generate.")
-    spec: EPDDeploymentSpec
-
-    def to_json(self) -> str:
-        return json.dumps(self.wire(), sort_keys=True, separators=(",", ":"))
-
-    @classmethod
-    def from_json(cls, text: str) -> RuntimeConfig:
-        return cls.model_validate_json(text)
-
-
-def dynamo_namespace(namespace: str, name: str) -> str:
-    """Dynamo namespaces are dotted paths; keep them free of dots and dashes."""
-    return f"{namespace}_{name}".replace("-", "_").replace(".", "_")
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any, Literal
 
-from easerve_runtime.config import Allocation, Model
 from pydantic import Field
+
+from easerve_runtime.api.spec import Allocation, Model
 
 
 class Phase(StrEnum):

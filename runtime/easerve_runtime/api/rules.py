@@ -1,0 +1,100 @@
+"""Cross-field rules of the spec that an OpenAPI schema cannot express.
+
+Each rule names the field to fix by its full wire path (``spec.offload.ratio``), so the
+admission webhook, the reconciler and the CLI report the same message verbatim.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from easerve_runtime.api.spec import DeploymentMode, Modality, PartitionMode
+
+if TYPE_CHECKING:
+    from easerve_runtime.api.spec import EPDDeploymentSpec
+
+
+class SpecError(ValueError):
+    """A cross-field rule failed; ``path`` is the wire path of the field to fix."""
+
+    def __init__(self, path: str, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = path
+        self.message = message
+
+
+def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    """Rules the schema cannot express. Each names its field by wire path."""
+    errs: list[SpecError] = []
+    a = spec.allocation
+    tier_names = [t.name for t in spec.slo.tiers]
+    if len(set(tier_names)) != len(tier_names):
+        errs.append(SpecError("spec.slo.tiers", f"tier names must be unique, got {tier_names}"))
+    if spec.slo.objective not in tier_names:
+        errs.append(SpecError("spec.slo.objective", f"'{spec.slo.objective}' is not a tier in spec.slo.tiers {tier_names}"))
+    if spec.tuning.objective.startswith("goodput@"):
+        tier = spec.tuning.objective.split("@", 1)[1]
+        if tier not in tier_names:
+            errs.append(SpecError("spec.tuning.objective", f"tier '{tier}' is not in spec.slo.tiers {tier_names}"))
+    if spec.tuning.enabled and spec.tuning.target_rate is None:
+        errs.append(SpecError("spec.tuning.targetRate", "is required when spec.tuning.enabled is true"))
+    if spec.mode == DeploymentMode.OMNI_COLOCATED:
+        if spec.omni is None:
+            errs.append(SpecError("spec.omni", "is required when spec.mode is omni-colocated"))
+        if spec.model.modality != Modality.OMNI:
+            errs.append(SpecError("spec.model.modality", "must be omni when spec.mode is omni-colocated"))
+        if spec.omni is not None and spec.omni.n_min > spec.omni.n_max:
+            errs.append(SpecError("spec.omni.nMin", f"({spec.omni.n_min}) must not exceed spec.omni.nMax ({spec.omni.n_max})"))
+        return errs
+    if spec.omni is not None:
+        errs.append(SpecError("spec.omni", "is only valid when spec.mode is omni-colocated"))
+    if a.encode.tensor_parallel != 1:
+        errs.append(SpecError("spec.allocation.encode.tensorParallel", "encode workers use one GPU each (must be 1)"))
+    if a.decode.replicas < 1:
+        errs.append(SpecError("spec.allocation.decode.replicas", "at least one decode worker is required"))
+    if a.encode.replicas < 1:
+        errs.append(SpecError("spec.allocation.encode.replicas", "at least one encode worker is required"))
+    if a.gpus > spec.gpu_budget:
+        errs.append(
+            SpecError(
+                "spec.allocation",
+                f"needs {a.gpus} GPUs ({a.label()}), more than spec.gpuBudget={spec.gpu_budget}",
+            )
+        )
+    s = spec.offload.ratio
+    if s > 0 and a.prefill.replicas < 1:
+        errs.append(
+            SpecError("spec.offload.ratio", f"is {s} but spec.allocation.prefill.replicas is 0: nothing to offload to")
+        )
+    if s < 1 and a.encode.replicas < 1:
+        errs.append(SpecError("spec.offload.ratio", f"is {s} (< 1) but there are no encode GPUs to host local prefill"))
+    if spec.sm_partition.mode != PartitionMode.NONE and s >= 1:
+        errs.append(
+            SpecError(
+                "spec.smPartition.mode",
+                f"is {spec.sm_partition.mode} but spec.offload.ratio is 1: no local prefill shares the encode GPU",
+            )
+        )
+    if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
+        errs.append(SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static"))
+    return errs
+
+
+def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[str]:
+    """Format a pydantic error as ``spec.a.b: message`` lines naming each field by wire path."""
+    out: list[str] = []
+    for e in exc.errors():
+        ctx_err = (e.get("ctx") or {}).get("error")
+        if isinstance(ctx_err, SpecError):
+            out.append(str(ctx_err))
+            continue
+        loc = ".".join([prefix] + [str(p) for p in e["loc"]])
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        out.append(f"{loc}: {msg}")
+    return out
+
+
