@@ -11,7 +11,8 @@ import pytest
 import yaml
 from easerve_operator.render import render_children
 from easerve_operator.render.stages import child_name, stage_config_hash
-from easerve_runtime.api import RuntimeConfig, load_manifest
+from easerve_runtime.api import RuntimeConfig, SpecError, load_manifest
+from easerve_runtime.topology import plan
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = Path(__file__).parent / "golden"
@@ -53,22 +54,33 @@ def test_children_and_gpus(path: Path) -> None:
         assert o["metadata"]["ownerReferences"][0]["uid"] == UID
         assert o["metadata"]["labels"]["easerve.io/deployment"] == name
         assert len(o["metadata"]["name"]) <= 63 and "." not in o["metadata"]["name"]
+    k = plan(spec).local_prefill_tp
+    total = 0
     for dep in (o for o in objs if o["kind"] == "Deployment"):
         stage = dep["metadata"]["labels"]["easerve.io/stage"]
         alloc = getattr(spec.allocation, stage)
         pod = dep["spec"]["template"]["spec"]
         gpus = [int(c["resources"]["limits"]["nvidia.com/gpu"]) for c in pod["containers"] if "resources" in c]
-        assert gpus == [alloc.tensor_parallel] and dep["spec"]["replicas"] == alloc.replicas
+        total += sum(gpus) * dep["spec"]["replicas"]
+        if stage == "encode":  # one GPU per encode worker, k encode GPUs per pod
+            assert gpus == [1] * k and dep["spec"]["replicas"] * k == alloc.replicas
+        else:
+            assert gpus == [alloc.tensor_parallel] and dep["spec"]["replicas"] == alloc.replicas
         assert dep["spec"]["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    assert total == spec.allocation.gpus, "the pods request exactly the allocation's GPUs"
     cm = next(o for o in objs if o["kind"] == "ConfigMap")
     cfg = RuntimeConfig.from_json(cm["data"]["config.json"])  # the runtime reads it through the same model
     assert cfg.spec == spec and cfg.name == name
 
 
-def test_local_prefill_pod_shares_shm_with_the_partition_controller() -> None:
-    objs = render(REPO / "examples" / "llava-v1.6-34b.yaml")
+def _encode_pod(objs: list[dict[str, Any]]) -> dict[str, Any]:
     enc = next(o for o in objs if o["kind"] == "Deployment" and o["metadata"]["labels"]["easerve.io/stage"] == "encode")
-    pod = enc["spec"]["template"]["spec"]
+    return dict(enc["spec"]["template"]["spec"])
+
+
+def test_local_prefill_pod_shares_shm_with_the_partition_controller() -> None:
+    # the backbone fits one H200: one encode GPU per pod, its local prefill and controller beside it
+    pod = _encode_pod(render(REPO / "examples" / "llava-v1.6-34b.yaml", engine={"profile": "llava-v1.6-34b@h200"}))
     names = [c["name"] for c in pod["containers"]]
     assert names == ["frontend", "encode", "local-prefill", "partition-controller"]
     assert {"name": "shm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
@@ -78,8 +90,67 @@ def test_local_prefill_pod_shares_shm_with_the_partition_controller() -> None:
     assert len(ports) == len(set(ports)), "containers of one pod share the network namespace"
     # s = 1: no local prefill, no partition controller, no shm volume
     s1 = render(REPO / "examples" / "llava-v1.6-34b.yaml", offload={"ratio": 1.0}, smPartition={"mode": "none"})
-    enc1 = next(o for o in s1 if o["kind"] == "Deployment" and o["metadata"]["labels"]["easerve.io/stage"] == "encode")
-    assert [c["name"] for c in enc1["spec"]["template"]["spec"]["containers"]] == ["frontend", "encode"]
+    assert [c["name"] for c in _encode_pod(s1)["containers"]] == ["frontend", "encode"]
+
+
+def test_local_prefill_of_a_tp2_backbone_spans_two_encode_gpus_in_one_pod() -> None:
+    """llava-34b needs TP2 on a 48 GB GPU: one local prefill worker over two encode GPUs, as the twin runs it."""
+    objs = render(REPO / "examples" / "llava-v1.6-34b.yaml")
+    pod = _encode_pod(objs)
+    by = {c["name"]: c for c in pod["containers"]}
+    assert list(by) == ["frontend", "encode-0", "encode-1", "local-prefill",
+                        "partition-controller-0", "partition-controller-1"]
+    env = {c: {e["name"]: e.get("value") for e in by[c]["env"]} for c in by}
+    assert env["local-prefill"]["EASERVE_PARTITION_GPU"] == "0,1"
+    assert (env["encode-0"]["EASERVE_PARTITION_GPU"], env["encode-1"]["EASERVE_PARTITION_GPU"]) == ("0", "1")
+    assert [by[f"partition-controller-{i}"]["args"][-2:] for i in (0, 1)] == [["--gpu", "0"], ["--gpu", "1"]]
+    assert "resources" not in by["local-prefill"], "the local prefill worker shares its pod's encode GPUs"
+    ports = [p["containerPort"] for c in pod["containers"] for p in c.get("ports", [])]
+    assert len(ports) == len(set(ports))
+    for c in by.values():  # each worker's Dynamo system server listens where its probe looks
+        probe = c.get("readinessProbe", {}).get("httpGet", {}).get("port")
+        if probe and c["name"] != "frontend":
+            port = next(p["containerPort"] for p in c["ports"] if p["name"] == probe)
+            assert env[c["name"]]["DYN_SYSTEM_PORT"] == str(port)
+
+
+def test_leftover_encode_gpus_are_refused_naming_the_field() -> None:
+    with pytest.raises(SpecError, match=r"spec\.allocation\.encode\.replicas.*multiple of 2"):
+        render(REPO / "examples" / "llava-v1.6-34b.yaml", allocation={
+            "encode": {"replicas": 3}, "prefill": {"replicas": 1, "tensorParallel": 2},
+            "decode": {"replicas": 1, "tensorParallel": 2}})
+
+
+def test_omni_partition_controller_gets_the_profiles_ladder() -> None:
+    """It exited with status 2 (``--ladder: required``) when rendered without one."""
+    from easerve_runtime.omni.profile import load_omni_profile
+
+    path = REPO / "examples" / "qwen2.5-omni.yaml"
+    _, spec = load_manifest(path)
+    dep = next(o for o in render(path) if o["kind"] == "Deployment")
+    pc = next(c for c in dep["spec"]["template"]["spec"]["containers"] if c["name"] == "partition-controller")
+    args = pc["args"]
+    ladder = [int(x) for x in args[args.index("--ladder") + 1: args.index("--s-aggr")]]
+    prof = load_omni_profile(spec.engine.profile)
+    assert ladder == list(prof.throttle["ladder"]) and args[args.index("--policy") + 1] == "bandwidth-throttle"
+    assert int(args[args.index("--total-sms") + 1]) == prof.total_sms
+
+
+def test_probes_and_scheduling_are_the_same_in_every_mode() -> None:
+    pod_fields = {"nodeSelector": {"gpu": "h200"}, "tolerations": [{"key": "gpu", "operator": "Exists"}]}
+    probes: set[str] = set()
+    for path in EXAMPLES:
+        for dep in (o for o in render(path, pod=pod_fields) if o["kind"] == "Deployment"):
+            pod = dep["spec"]["template"]["spec"]
+            assert pod["nodeSelector"] == pod_fields["nodeSelector"], path.stem
+            assert pod["tolerations"] == pod_fields["tolerations"], path.stem
+            for c in pod["containers"]:
+                for kind in ("readinessProbe", "livenessProbe"):
+                    if kind in c:
+                        p = dict(c[kind])
+                        p["httpGet"] = {k: v for k, v in p["httpGet"].items() if k != "port"}
+                        probes.add(f"{kind}={json.dumps(p, sort_keys=True)}")
+    assert len(probes) == 2, probes  # one readiness and one liveness shape across every mode
 
 
 def test_batch_bound_change_rolls_only_encode() -> None:

@@ -1,11 +1,9 @@
-"""Render the child objects of a disaggregated EPDDeployment: a pure function of the spec.
+"""Names, labels and the runtime ConfigMap of an EPDDeployment's children: pure functions.
 
-One ConfigMap carries the runtime configuration (JSON, through ``RuntimeConfig``); per stage
-there is a Deployment and a Service. The frontend runs beside the encode worker in each encode
-pod, so the encode Service is the deployment's HTTP entry point and no extra hop is added.
-
-Pod templates carry a checksum of the part of the configuration that stage reads, so a change
-of ``spec.encode.batchBound`` rolls the encode pods and leaves prefill and decode alone.
+One ConfigMap carries the runtime configuration (JSON, through ``RuntimeConfig``). Pod templates
+carry a checksum of the part of the configuration that stage reads, so a change of
+``spec.encode.batchBound`` rolls the encode pods and leaves prefill and decode alone. The pods
+themselves are rendered from the topology by ``render/pods.py``.
 """
 
 from __future__ import annotations
@@ -15,19 +13,18 @@ import json
 from typing import Any
 
 from easerve_runtime.api import (
-    CONFIG_PATH,
-    GPU_RESOURCE,
-    HTTP_PORT,
-    SYSTEM_PORT,
+    ANNOTATION_CONFIG_HASH,
+    API_VERSION,
+    KIND,
+    LABEL_DEPLOYMENT,
+    LABEL_STAGE,
     EPDDeploymentSpec,
     RuntimeConfig,
-    StageAllocation,
+    Stage,
     dynamo_namespace,
 )
 
-STAGES = ("encode", "prefill", "decode")
-TCP_MAX_MESSAGE = str(256 * 1024 * 1024)
-GPU = GPU_RESOURCE
+STAGES = (str(Stage.ENCODE), str(Stage.PREFILL), str(Stage.DECODE))
 
 # Which parts of the spec each stage's processes read: the config hash of a stage covers only these.
 _COMMON = ("model", "engine", "discovery", "mode", "observability")
@@ -43,22 +40,22 @@ def labels(name: str, stage: str | None = None) -> dict[str, str]:
         "app.kubernetes.io/name": "easerve",
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/managed-by": "easerve-operator",
-        "easerve.io/deployment": name,
+        LABEL_DEPLOYMENT: name,
     }
     if stage:
         out["app.kubernetes.io/component"] = stage
-        out["easerve.io/stage"] = stage
+        out[LABEL_STAGE] = stage
     return out
 
 
 def selector(name: str, stage: str) -> dict[str, str]:
-    return {"easerve.io/deployment": name, "easerve.io/stage": stage}
+    return {LABEL_DEPLOYMENT: name, LABEL_STAGE: stage}
 
 
 def owner_reference(name: str, uid: str) -> dict[str, Any]:
     return {
-        "apiVersion": "easerve.io/v1alpha1",
-        "kind": "EPDDeployment",
+        "apiVersion": API_VERSION,
+        "kind": KIND,
         "name": name,
         "uid": uid,
         "controller": True,
@@ -97,6 +94,10 @@ def runtime_config(name: str, namespace: str, spec: EPDDeploymentSpec) -> Runtim
 
 
 def stage_config_hash(config: RuntimeConfig, stage: str) -> str:
+    """Hash of what the processes of ``stage``'s pods read; the whole config for a stage (omni)
+    not in ``STAGE_FIELDS``."""
+    if stage not in STAGE_FIELDS:
+        return config_hash(config)
     spec = config.spec.wire()
     view = {k: spec.get(k) for k in STAGE_FIELDS[stage]}
     view["_dynamoNamespace"] = config.dynamo_namespace
@@ -107,142 +108,6 @@ def config_hash(config: RuntimeConfig) -> str:
     return hashlib.sha256(config.to_json().encode()).hexdigest()[:16]
 
 
-def _env(
-    config: RuntimeConfig, system_port: int, extra: list[dict[str, Any]] | None = None
-) -> list[dict[str, Any]]:
-    spec = config.spec
-    env: list[dict[str, Any]] = [
-        {"name": "DYN_NAMESPACE", "value": config.dynamo_namespace},
-        {"name": "DYN_DISCOVERY_BACKEND", "value": str(spec.discovery.backend)},
-        {"name": "DYN_REQUEST_PLANE", "value": "tcp"},
-        {"name": "DYN_TCP_MAX_MESSAGE_SIZE", "value": TCP_MAX_MESSAGE},
-        {"name": "DYN_SYSTEM_PORT", "value": str(system_port)},
-        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
-        {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-        {"name": "POD_UID", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}},
-    ]
-    if spec.discovery.etcd_endpoints:
-        env.append({"name": "ETCD_ENDPOINTS", "value": spec.discovery.etcd_endpoints})
-    env.extend(extra or [])
-    for e in spec.pod.env or []:
-        env.append({"name": e.name, "value": e.value})
-    return env
-
-
-def _probes(port: int | str) -> dict[str, Any]:
-    return {
-        "readinessProbe": {
-            "httpGet": {"path": "/health", "port": port},
-            "periodSeconds": 5,
-            "failureThreshold": 3,
-        },
-        "livenessProbe": {
-            "httpGet": {"path": "/live", "port": port},
-            "periodSeconds": 10,
-            "failureThreshold": 6,
-        },
-    }
-
-
-def _container(
-    config: RuntimeConfig,
-    cname: str,
-    stage_arg: str,
-    gpus: int,
-    ports: list[dict[str, Any]],
-    shm: bool,
-    extra_env: list[dict[str, Any]] | None = None,
-    probe_port: int | str | None = "system",
-    system_port: int = SYSTEM_PORT,
-) -> dict[str, Any]:
-    spec = config.spec
-    resources: dict[str, dict[str, str]] = {"requests": {}, "limits": {}}
-    for kind, values in (spec.pod.resources or {}).items():
-        resources.setdefault(kind, {}).update(values)
-    if gpus:
-        resources["requests"][GPU] = str(gpus)
-        resources["limits"][GPU] = str(gpus)
-    mounts = [{"name": "config", "mountPath": "/etc/easerve", "readOnly": True}]
-    if shm:
-        mounts.append({"name": "shm", "mountPath": "/dev/shm"})
-    c: dict[str, Any] = {
-        "name": cname,
-        "image": spec.engine.image,
-        # args, not command: the image's entrypoint (tini) stays PID 1 and reaps/forwards signals
-        "args": ["easerve", "worker", "--stage", stage_arg, "--config", CONFIG_PATH],
-        "env": _env(config, system_port, extra_env),
-        "volumeMounts": mounts,
-    }
-    if ports:
-        c["ports"] = ports
-    if any(resources.values()):
-        c["resources"] = {k: v for k, v in resources.items() if v}
-    if probe_port is not None:
-        c.update(_probes(probe_port))
-    return c
-
-
-def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict[str, Any]:
-    spec = config.spec
-    name = config.name
-    system_port = [{"name": "system", "containerPort": SYSTEM_PORT, "protocol": "TCP"}]
-    volumes: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(name)}}]
-    containers: list[dict[str, Any]]
-    if stage == "encode":
-        colocated = spec.has_local_prefill
-        # The GPU is requested once, by the encode container; co-located sidecars reach the same
-        # device through the NVIDIA container runtime (NVIDIA_VISIBLE_DEVICES) and split its SMs
-        # through the shared-memory control record in /dev/shm.
-        share = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if colocated else []
-        containers = [
-            _container(
-                config,
-                "frontend",
-                "frontend",
-                0,
-                [{"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"}],
-                False,
-                probe_port="http",
-                system_port=SYSTEM_PORT + 1,
-            ),
-            _container(config, "encode", "encode", alloc.tensor_parallel, system_port, colocated),
-        ]
-        if colocated:
-            containers.append(
-                _container(
-                    config,
-                    "local-prefill",
-                    "local-prefill",
-                    0,
-                    [{"name": "system-lp", "containerPort": SYSTEM_PORT + 2, "protocol": "TCP"}],
-                    True,
-                    share,
-                    probe_port="system-lp",
-                    system_port=SYSTEM_PORT + 2,
-                )
-            )
-            pc = _container(
-                config, "partition-controller", "partition-controller", 0, [], True, share, probe_port=None
-            )
-            # policy, static SMs and epsilon come from the same config the workers read
-            pc["args"] = ["easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0"]
-            containers.append(pc)
-            volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
-    else:
-        containers = [_container(config, stage, stage, alloc.tensor_parallel, system_port, False)]
-    pod: dict[str, Any] = {
-        "containers": containers,
-        "volumes": volumes,
-        "terminationGracePeriodSeconds": 60,
-        "enableServiceLinks": False,
-    }
-    if spec.pod.node_selector:
-        pod["nodeSelector"] = dict(spec.pod.node_selector)
-    if spec.pod.tolerations:
-        pod["tolerations"] = list(spec.pod.tolerations)
-    return pod
-
-
 def render_config_map(config: RuntimeConfig, owner: dict[str, Any]) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
@@ -251,58 +116,8 @@ def render_config_map(config: RuntimeConfig, owner: dict[str, Any]) -> dict[str,
             "name": config_map_name(config.name),
             "namespace": config.namespace,
             "labels": labels(config.name),
-            "annotations": {"easerve.io/config-hash": config_hash(config)},
+            "annotations": {ANNOTATION_CONFIG_HASH: config_hash(config)},
             "ownerReferences": [owner],
         },
         "data": {"config.json": config.to_json()},
-    }
-
-
-def render_deployment(config: RuntimeConfig, stage: str, owner: dict[str, Any]) -> dict[str, Any]:
-    alloc: StageAllocation = getattr(config.spec.allocation, stage)
-    name = config.name
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": {
-            "name": stage_name(name, stage),
-            "namespace": config.namespace,
-            "labels": labels(name, stage),
-            "ownerReferences": [owner],
-        },
-        "spec": {
-            "replicas": alloc.replicas,
-            "selector": {"matchLabels": selector(name, stage)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
-            "template": {
-                "metadata": {
-                    "labels": labels(name, stage),
-                    "annotations": {
-                        "easerve.io/config-hash": stage_config_hash(config, stage),
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(SYSTEM_PORT),
-                        "prometheus.io/path": "/metrics",
-                    },
-                },
-                "spec": _pod_spec(config, stage, alloc),
-            },
-        },
-    }
-
-
-def render_service(config: RuntimeConfig, stage: str, owner: dict[str, Any]) -> dict[str, Any]:
-    # protocol is spelled out: server-side apply on Kubernetes 1.20 rejects ports without it
-    ports = [{"name": "system", "port": SYSTEM_PORT, "targetPort": "system", "protocol": "TCP"}]
-    if stage == "encode":
-        ports.insert(0, {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"})
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": {
-            "name": stage_name(config.name, stage),
-            "namespace": config.namespace,
-            "labels": labels(config.name, stage),
-            "ownerReferences": [owner],
-        },
-        "spec": {"selector": selector(config.name, stage), "ports": ports},
     }

@@ -180,8 +180,9 @@ class SearchSpace:
         return tuple(range(1, self.max_batch + 1))
 
     def n_local(self, a: Alloc) -> int:
-        """Local prefill workers allocation ``a`` can host (each spans ``local_tp`` encode GPUs)."""
-        return a.encode // self.local_tp if self.local_prefill else 0
+        """Local prefill workers allocation ``a`` can host: one per encode pod of ``local_tp`` encode
+        GPUs; none unless they divide evenly (``easerve_runtime.topology`` refuses leftovers)."""
+        return a.encode // self.local_tp if self.local_prefill and a.encode % self.local_tp == 0 else 0
 
     def s_values(self, a: Alloc | None = None) -> tuple[float, ...]:
         """The s grid (of allocation ``a``: only 1.0 when it cannot host local prefill)."""

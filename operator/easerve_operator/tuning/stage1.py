@@ -215,8 +215,9 @@ class Stage1Row:
 
 
 def n_local(a: Alloc, local_prefill: bool, local_tp: int = 1) -> int:
-    """Local prefill workers: one per ``local_tp`` encode GPUs when local prefill is allowed."""
-    return a.encode // local_tp if local_prefill else 0
+    """Local prefill workers: one per ``local_tp`` encode GPUs when local prefill is allowed and
+    the encode GPUs divide into pods of ``local_tp`` (the topology's rule), else 0."""
+    return a.encode // local_tp if local_prefill and a.encode % local_tp == 0 else 0
 
 
 def capacities(

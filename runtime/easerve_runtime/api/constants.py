@@ -17,7 +17,8 @@ TIER_NAMES = ("strict", "tight", "moderate", "loose", "relaxed")
 
 
 class Stage(StrEnum):
-    """A process kind of a deployment (what ``easerve worker --stage`` takes)."""
+    """A process kind of a deployment (``easerve worker --stage`` takes all but the partition
+    controller, which is its own command, and ``omni``, the omni pod's label)."""
 
     FRONTEND = "frontend"
     ENCODE = "encode"
@@ -26,6 +27,9 @@ class Stage(StrEnum):
     DECODE = "decode"
     PARTITION_CONTROLLER = "partition-controller"
     OMNI = "omni"
+    """The omni-colocated pod (its Deployment's stage label); its processes are the two below."""
+    OMNI_SHARED = "omni-shared"
+    OMNI_DOWNSTREAM = "omni-downstream"
 
 
 # Label and annotation keys

@@ -28,7 +28,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.api import DeploymentMode, EPDDeploymentSpec
 from easerve_runtime.engines.base import (
     DecodeSequence,
     Embedding,
@@ -99,19 +99,23 @@ class SimEngine:
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, stage: str = "encode", **kw: Any) -> SimEngine:
-        """The sim engine of one stage of a deployment: its profile, its stage's tensor parallelism.
+        """The sim engine of one stage of a deployment: its profile, its process's tensor
+        parallelism in the topology (a local prefill worker spans the backbone's TP in encode GPUs).
 
         Anyres tiling follows the profile when it says, else the model name (``workload.media``).
         """
         from easerve_runtime.profiles import load_profile
+        from easerve_runtime.topology import Hardware, plan
 
         profile = load_profile(spec.engine.profile)
-        tp = {"prefill": spec.allocation.prefill, "decode": spec.allocation.decode}.get(stage)
+        hw = Hardware(local_prefill_tp=profile.min_tp() if spec.has_local_prefill else 1)
+        topo = plan(spec, hw) if spec.mode == DeploymentMode.DISAGGREGATED else None
+        tps = [p.tp for pod in topo.pods for p in pod.processes if p.stage == stage] if topo else []
         anyres = getattr(profile, "anyres", None)
         return cls(
             profile,
             anyres=is_anyres(spec.model.name) if anyres is None else bool(anyres),
-            tp=tp.tensor_parallel if tp is not None else 1,
+            tp=tps[0] if tps else 1,
             **kw,
         )
 

@@ -1,9 +1,11 @@
 """The disaggregated EPD pipeline in virtual time: build the workers a spec describes, replay.
 
-``run_pipeline`` wires encode workers (each with its own batcher from ``make_batcher`` and, when
-``offload.ratio < 1``, a local prefill worker on its GPU and its own ``DeficitRouter``), remote
-prefill workers and decode workers exactly as the runtime does, then replays a request list.
-The frontend spreads arrivals over encode workers by fewest outstanding (``LeastOutstanding``).
+``run_pipeline`` builds one simulated worker per process of ``easerve_runtime.topology.plan`` --
+the layout the pods and ``easerve serve`` run: per encode pod its encode workers (each with its
+own batcher from ``make_batcher`` and, when ``offload.ratio < 1``, its own ``DeficitRouter``)
+and the one local prefill worker of TP k they share; the prefill and decode pods' workers. Then
+it replays a request list. The frontend spreads arrivals over encode workers by fewest
+outstanding (``LeastOutstanding``).
 """
 
 from __future__ import annotations
@@ -11,30 +13,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.api import EPDDeploymentSpec, SpecError, Stage
 from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandoff, PrefillWorker
+from easerve_runtime.topology import Hardware, Process, Topology, plan
 from easerve_runtime.workload.request import Request
 
 
-def local_prefill_tp(spec: EPDDeploymentSpec, model: StageModel) -> int:
-    """TP of a local prefill worker: the backbone must fit in the encode GPUs it spans.
-
-    On a 48 GB GPU a 27–34B backbone needs two GPUs, so one local worker spans two encode GPUs
-    (each giving it its complementary SM share); with fewer encode GPUs than that, local prefill
-    is impossible and the spec is rejected rather than silently simulated.
-    """
-    tp = model.min_tp()
-    if spec.allocation.encode.replicas < tp:
-        raise ValueError(
-            f"spec.offload.ratio: {spec.offload.ratio} < 1 needs a local prefill worker, but the backbone "
-            f"needs {tp} GPUs (TP{tp}) and spec.allocation.encode.replicas is {spec.allocation.encode.replicas}"
-        )
-    return tp
+def topology(spec: EPDDeploymentSpec, model: StageModel) -> Topology:
+    """The deployment's layout, with the backbone's TP on this model's GPU for local prefill."""
+    return plan(spec, Hardware(local_prefill_tp=model.min_tp() if spec.has_local_prefill else 1))
 
 
 def run_pipeline(
@@ -48,60 +40,50 @@ def run_pipeline(
     ``batcher_factory()`` overrides the spec's batcher (the Dynamo baseline passes a B = 1 eager
     batcher); by default every encode worker gets ``make_batcher(spec.encode)``.
     """
-    a = spec.allocation
-    loop = EventLoop()
-    decoders = [
-        DecodeWorker(loop, model, a.decode.tensor_parallel, f"decode-{i}") for i in range(a.decode.replicas)
-    ]
-    handoff = KVHandoff(loop, model, decoders)
-    remote = [
-        PrefillWorker(loop, model, a.prefill.tensor_parallel, f"prefill-{i}", handoff)
-        for i in range(a.prefill.replicas)
-    ]
     s = float(spec.offload.ratio)
-    colocated = spec.has_local_prefill
-    if not remote and s > 0:
-        raise ValueError(
-            "spec.allocation.prefill.replicas: 0 remote prefill workers but spec.offload.ratio > 0"
+    if spec.allocation.prefill.replicas == 0 and s > 0:
+        raise SpecError(
+            "spec.allocation.prefill.replicas", "0 remote prefill workers but spec.offload.ratio > 0"
         )
-    shares = ShareModel(spec, model, colocated)
+    topo = topology(spec, model)
+    loop = EventLoop()
+
+    def each(stage: Stage) -> list[Process]:
+        return [proc for pod, _ in topo.replicas() for proc in pod.process(stage)]
+
+    decoders = [DecodeWorker(loop, model, p.tp, f"decode-{i}") for i, p in enumerate(each(Stage.DECODE))]
+    handoff = KVHandoff(loop, model, decoders)
+    remote = [PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff) for i, p in enumerate(each(Stage.PREFILL))]
+    shares = ShareModel(spec, model, spec.has_local_prefill)
     reasons: dict[str, int] = {}
     encoders: list[EncodeWorker] = []
     locals_: list[PrefillWorker] = []
-    local_tp = local_prefill_tp(spec, model) if colocated else 1
-    hosts = (a.encode.replicas // local_tp) * local_tp if colocated else 0
-    if colocated and hosts < a.encode.replicas and not remote:
-        raise ValueError(
-            f"spec.allocation.encode.replicas: {a.encode.replicas} encode GPUs do not divide into local prefill "
-            f"workers of TP{local_tp}, and with no remote prefill workers the rest could not prefill"
-        )
-    for i in range(a.encode.replicas):
+    for pod, _ in topo.replicas():
+        if pod.stage != Stage.ENCODE:
+            continue
         local: PrefillWorker | None = None
-        # a local worker of TP k spans k encode GPUs; leftover GPUs (n_E mod k) host none
-        if i < hosts:
-            if i % local_tp == 0:
-                locals_.append(
-                    PrefillWorker(loop, model, local_tp, f"local-{i // local_tp}", handoff, local=True)
-                )
-            local = locals_[-1]
-        batcher: Batcher[Any] = (
-            batcher_factory() if batcher_factory is not None else make_batcher(spec.encode)
-        )
-        router = DeficitRouter(s) if local is not None else None
-        encoders.append(
-            EncodeWorker(
-                loop,
-                model,
-                shares,
-                batcher,
-                f"encode-{i}",
-                router,
-                remote,
-                local,
-                reasons,
-                member=i % local_tp,
+        for proc in pod.process(Stage.LOCAL_PREFILL):
+            local = PrefillWorker(loop, model, proc.tp, f"local-{len(locals_)}", handoff, local=True)
+            locals_.append(local)
+        for member, _proc in enumerate(pod.process(Stage.ENCODE)):
+            batcher: Batcher[Any] = (
+                batcher_factory() if batcher_factory is not None else make_batcher(spec.encode)
             )
-        )
+            router = DeficitRouter(s) if local is not None else None
+            encoders.append(
+                EncodeWorker(
+                    loop,
+                    model,
+                    shares,
+                    batcher,
+                    f"encode-{len(encoders)}",
+                    router,
+                    remote,
+                    local,
+                    reasons,
+                    member=member,  # this GPU's rank within its local prefill worker's TP group
+                )
+            )
 
     jobs = [Job(r) for r in requests]
     picker = LeastOutstanding()

@@ -1,10 +1,10 @@
 """`easerve serve`: one EPDDeployment as local processes (sim engine, file discovery).
 
-One process per worker, exactly as the pods would run them (``easerve worker --stage ...``):
-per encode replica an encode worker, plus its local prefill worker when ``offload.ratio < 1``;
-the prefill and decode replicas; then the frontend. Every process gets its own Dynamo system
-port, and all share one file-discovery directory under the work dir, so two ``serve`` runs on a
-host never see each other's workers.
+One process per container of every pod replica, exactly as the pods run them: the layout is
+``easerve_runtime.topology.plan``'s (encode pods with their frontend, encode workers, local
+prefill worker and partition controllers; the prefill and decode pods). Every process gets its
+own Dynamo system port, and all share one file-discovery directory under the work dir, so two
+``serve`` runs on a host never see each other's workers.
 
 The launcher writes ``<workdir>/processes.json`` (stage, index, pid, ports) so tests and
 operators can find a given worker (e.g. to kill one), logs the URL once every process is healthy,
@@ -27,11 +27,21 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from easerve_runtime.api import DeploymentMode, EPDDeploymentSpec, RuntimeConfig, dynamo_namespace
+from easerve_runtime.api import (
+    CONFIG_PATH,
+    DeploymentMode,
+    EPDDeploymentSpec,
+    RuntimeConfig,
+    SpecError,
+    Stage,
+    dynamo_namespace,
+)
+from easerve_runtime.topology import PARTITION_GPU_ENV, Hardware
+from easerve_runtime.topology import plan as topology_plan
 
 log = logging.getLogger("easerve.serve")
 
@@ -41,12 +51,23 @@ STOP_GRACE_S = 30.0
 
 @dataclass
 class Proc:
+    """One process of the topology, placed on this host."""
+
     stage: str
     index: int
-    system_port: int
+    """Per stage, across pod replicas (encode-0, encode-1, ... over every encode pod)."""
+    system_port: int | None
     http_port: int | None = None
     pid: int = 0
     log_path: str = ""
+    pod: int = 0
+    """Which replica of its pod shape it belongs to (pairs encode workers with their local prefill)."""
+    name: str = ""
+    """Its container name in the pod."""
+    argv: list[str] = field(default_factory=list)
+    """The topology's ``easerve ...`` argv (the pod's container args)."""
+    partition_gpus: list[int] = field(default_factory=list)
+    """Host-unique indices of the partition records it reads or writes."""
 
 
 def free_port(lo: int = 20000, hi: int = 32767) -> int:
@@ -67,23 +88,80 @@ def free_port(lo: int = 20000, hi: int = 32767) -> int:
     raise RuntimeError(f"no free port in [{lo}, {hi}]")
 
 
-def plan(spec: EPDDeploymentSpec, http_port: int) -> list[Proc]:
-    """The processes of a deployment, workers first and the frontend last."""
+START_ORDER = {
+    Stage.DECODE: 0,
+    Stage.PREFILL: 1,
+    Stage.PARTITION_CONTROLLER: 2,
+    Stage.LOCAL_PREFILL: 3,
+    Stage.ENCODE: 4,
+    Stage.FRONTEND: 5,
+}
+"""Downstream first, so a worker's clients find it; the frontends last."""
+STOP_ORDER = (Stage.ENCODE, Stage.LOCAL_PREFILL, Stage.PREFILL, Stage.DECODE, Stage.PARTITION_CONTROLLER)
+"""After the frontends: upstream first, each drains into the next; the controllers last."""
+
+
+def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = None) -> list[Proc]:
+    """The topology's processes placed on this host: workers first and the frontends last.
+
+    Layout is the topology's (``easerve_runtime.topology.plan``), exactly what the pods run:
+    one process per container of every pod replica, partition controllers included. Only the
+    placement is local: each process gets its own system port; the first frontend gets
+    ``http_port`` and any others a free one; partition records get host-unique GPU indices
+    (pod replica x GPUs of the pod + the pod-local index).
+    """
     if spec.mode != DeploymentMode.DISAGGREGATED:
-        raise ValueError(f"spec.mode: easerve serve runs disaggregated deployments, not {spec.mode}")
-    a = spec.allocation
+        raise SpecError("spec.mode", f"easerve serve runs disaggregated deployments as processes, not {spec.mode}")
+    topo = topology_plan(spec, hardware)
     procs: list[Proc] = []
-    for i in range(a.decode.replicas):
-        procs.append(Proc("decode", i, free_port()))
-    if spec.offload.ratio > 0:
-        for i in range(a.prefill.replicas):
-            procs.append(Proc("prefill", i, free_port()))
-    for i in range(a.encode.replicas):
-        if spec.has_local_prefill:
-            procs.append(Proc("local-prefill", i, free_port()))
-        procs.append(Proc("encode", i, free_port()))
-    procs.append(Proc("frontend", 0, free_port(), http_port))
-    return procs
+    count: dict[str, int] = {}
+    for pod, replica in topo.replicas():
+        gpus_per_pod = max(1, len({g for p in pod.processes for g in (*p.owns, *p.shares)}))
+        for p in pod.processes:
+            stage = str(p.stage)
+            index = count.get(stage, 0)
+            count[stage] = index + 1
+            http = None
+            if p.http_port is not None:
+                http = http_port if stage == Stage.FRONTEND and index == 0 else free_port()
+            procs.append(
+                Proc(
+                    stage,
+                    index,
+                    free_port() if p.system_port is not None else None,
+                    http,
+                    pod=replica,
+                    name=p.name,
+                    argv=list(p.argv),
+                    partition_gpus=[replica * gpus_per_pod + g for g in p.partition_gpus],
+                )
+            )
+    return sorted(procs, key=lambda p: START_ORDER[Stage(p.stage)])
+
+
+def command(p: Proc, config_path: str) -> list[str]:
+    """The pod's argv for this host: this interpreter, the local config, file discovery, ports."""
+    args = [config_path if a == CONFIG_PATH else a for a in p.argv]
+    if args[:2] == ["easerve", "worker"]:
+        cmd = [sys.executable, "-m", "easerve_runtime.cli.worker", *args[2:]]
+        cmd += ["--discovery", "file", "--local-key", f"e{p.pod}"]
+        if p.http_port is not None:
+            cmd += ["--host", "127.0.0.1", "--port", str(p.http_port)]
+        return cmd
+    if args[:2] == ["easerve", "partition-controller"]:
+        rest = args[2:]
+        gpu = rest.index("--gpu")
+        rest[gpu + 1] = str(p.partition_gpus[0])
+        return [sys.executable, "-c", RUN_PARTITION_CONTROLLER, *rest, "--shm-dir", SHM_DIR_TOKEN]
+    raise ValueError(f"{p.name}: no local command for {args[:2]}")
+
+
+SHM_DIR_TOKEN = "{shm}"
+RUN_PARTITION_CONTROLLER = (
+    "import argparse, sys; from easerve_runtime.cli import partition_controller as m; "
+    "p = argparse.ArgumentParser(prog='easerve partition-controller'); m.add_arguments(p); "
+    "sys.exit(m.run(p.parse_args(sys.argv[1:])))"
+)
 
 
 class Launcher:
@@ -121,26 +199,17 @@ class Launcher:
                     "DYN_FILE_KV": str(kv),
                     "DYN_TCP_RPC_HOST": "127.0.0.1",
                     "DYN_SYSTEM_HOST": "127.0.0.1",
-                    "DYN_SYSTEM_PORT": str(p.system_port),
                     "PYTHONUNBUFFERED": "1",
-                    # each encode "GPU" gets its own partition records, private to this run
+                    # the partition records of this run's "GPUs", private to it
                     "EASERVE_PARTITION_SHM": str(shm),
-                    "EASERVE_PARTITION_GPU": str(p.index),
                 }
             )
+            if p.system_port is not None:
+                env["DYN_SYSTEM_PORT"] = str(p.system_port)
+            if p.partition_gpus:
+                env[PARTITION_GPU_ENV] = ",".join(map(str, p.partition_gpus))
             env.update(self.extra_env)
-            cmd = [
-                sys.executable,
-                "-m",
-                "easerve_runtime.cli.worker",
-                "--stage",
-                p.stage,
-                "--config",
-                str(cfg_path),
-            ]
-            cmd += ["--discovery", "file", "--local-key", f"e{p.index}"]
-            if p.stage == "frontend":
-                cmd += ["--host", "127.0.0.1", "--port", str(p.http_port)]
+            cmd = [str(shm) if a == SHM_DIR_TOKEN else a for a in command(p, str(cfg_path))]
             p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
             with open(p.log_path, "wb") as logf:
                 proc = subprocess.Popen(
@@ -157,7 +226,11 @@ class Launcher:
         return f"http://127.0.0.1:{self.port}"
 
     def _healthy(self, p: Proc) -> bool:
-        port = p.http_port if p.stage == "frontend" else p.system_port
+        """/health answers 200; a process without a health endpoint (a partition controller) is
+        healthy while it runs (the caller checks that first)."""
+        port = p.http_port if p.stage == Stage.FRONTEND else p.system_port
+        if port is None:
+            return True
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1.0) as r:
                 return bool(r.status == 200)
@@ -218,8 +291,7 @@ class Launcher:
         workers = [i for i, p in enumerate(self.procs) if p.stage != "frontend"]
         self._signal(fe, signal.SIGTERM)
         self._wait(fe, grace)
-        order = ["encode", "local-prefill", "prefill", "decode"]  # upstream first, each drains into the next
-        for stage in order:
+        for stage in STOP_ORDER:
             idx = [i for i in workers if self.procs[i].stage == stage]
             self._signal(idx, signal.SIGTERM)
             self._wait(idx, grace)

@@ -22,6 +22,7 @@ from typing import Any
 
 from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
+from easerve_runtime.topology import PARTITION_GPU_ENV
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
     COMPONENT_ENCODE,
@@ -56,23 +57,27 @@ def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
     raise ValueError(f"spec.engine.backend: {backend!r} is not supported by the runtime yet (use sim)")
 
 
-PARTITION_GPU_ENV = "EASERVE_PARTITION_GPU"
 PARTITION_SHM_ENV = "EASERVE_PARTITION_SHM"
-"""Which GPU's partition record this worker uses (default 0) and where records live (/dev/shm)."""
+"""Where partition records live (default /dev/shm); ``PARTITION_GPU_ENV`` (from the topology)
+says which GPUs' records this worker uses: one index, or a comma list for a local prefill
+worker spanning several encode GPUs (default 0)."""
 
 
 def partition_link(spec: EPDDeploymentSpec, stage: str) -> Any:
-    """The shm link to the pod's partition controller, for encode and local prefill when partitioned."""
+    """The shm link to the pod's partition controller(s), for encode and local prefill when partitioned."""
     if stage not in ("encode", "local-prefill") or not spec.has_local_prefill:
         return None
     if str(spec.sm_partition.mode) == "none":
         return None
     from easerve_runtime.partition.record import SHM_DIR
-    from easerve_runtime.workers.partition_link import PartitionLink
+    from easerve_runtime.workers.partition_link import PartitionGroupLink, PartitionLink
 
-    gpu = int(os.environ.get(PARTITION_GPU_ENV, "0"))
+    gpus = [int(g) for g in os.environ.get(PARTITION_GPU_ENV, "0").split(",") if g.strip()] or [0]
     shm = Path(os.environ.get(PARTITION_SHM_ENV) or SHM_DIR)
-    return PartitionLink(gpu, "primary" if stage == "encode" else "partner", shm)
+    role = "primary" if stage == "encode" else "partner"
+    if len(gpus) > 1:
+        return PartitionGroupLink(gpus, role, shm)
+    return PartitionLink(gpus[0], role, shm)
 
 
 async def run_stage(

@@ -71,3 +71,29 @@ class PartitionLink:
         self.demand.close()
         if self._control is not None:
             self._control.close()
+
+
+class PartitionGroupLink:
+    """A local prefill worker of TP k spans k encode GPUs (``easerve_runtime.topology``): it
+    announces its demand on every GPU's record and runs at the smallest share it was granted,
+    since a TP step advances at the pace of its slowest rank (the twin's rule too)."""
+
+    def __init__(self, gpus: list[int], role: str, shm_dir: Path = SHM_DIR) -> None:
+        if not gpus:
+            raise ValueError("gpus: a partition group needs at least one GPU")
+        self.links = [PartitionLink(g, role, shm_dir) for g in gpus]
+
+    @property
+    def last(self) -> ControlRecord | None:
+        return self.links[0].last
+
+    def share(self, batch: int) -> float:
+        return min(link.share(batch) for link in self.links)
+
+    def idle(self) -> None:
+        for link in self.links:
+            link.idle()
+
+    def close(self) -> None:
+        for link in self.links:
+            link.close()

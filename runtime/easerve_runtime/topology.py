@@ -1,0 +1,384 @@
+"""What runs where: ``plan(spec) -> Topology``, the one place that decides a deployment's layout.
+
+A deployment is a list of pod shapes (one per Kubernetes Deployment), each with a replica count
+and the processes one pod runs: their stage, the GPUs they request (own) or share, their ports,
+the policy objects they run and their exact ``easerve ...`` argv. Three shells read it and none
+of them decides layout on its own:
+
+- the operator's renderer turns each pod into a Deployment (and Service) and each process into a
+  container (``easerve_operator.render``);
+- ``easerve serve`` (``workers/launcher.py``) starts each process of each replica locally,
+  partition controllers included;
+- the twin (``sim/twin.py``) builds one simulated worker per process.
+
+**Local prefill spanning several encode GPUs.** A local prefill worker runs the whole backbone.
+When the backbone needs TP k > 1 on the profile's GPU (a 27–34B model on a 48 GB GPU needs
+k = 2), one local prefill worker of TP k spans k encode GPUs, each giving it its complementary
+SM share (the EAServe testbed: 2E(TP1) with local prefill on RTX 6000 Ada). A process can only
+use the GPUs of its own pod, so those k encode GPUs live in ONE encode pod: ``encode-0 ..
+encode-(k-1)`` (one GPU each), one ``local-prefill`` sharing all k, one partition controller per
+GPU, one frontend. With k = 1 the pod is the familiar frontend + encode + local-prefill +
+partition-controller. ``spec.allocation.encode.replicas`` must then be a multiple of k (encode
+GPUs left over would form a second pod shape with no local partner); otherwise ``plan`` raises a
+``SpecError`` naming that field.
+
+Pure: no I/O except reading the shipped latency profile by name when the caller does not pass
+``Hardware`` (``hardware_for``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from easerve_runtime.api import (
+    CONFIG_PATH,
+    HTTP_PORT,
+    SYSTEM_PORT,
+    DeploymentMode,
+    EPDDeploymentSpec,
+    PartitionMode,
+    SpecError,
+    Stage,
+)
+
+PARTITION_GPU_ENV = "EASERVE_PARTITION_GPU"
+"""Pod-local GPU index (or comma list) of the partition records a worker reads; the launcher
+maps it to a host-unique index."""
+SHARE_GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all"}
+"""How a container that does not request the GPU reaches its pod's GPU today (the NVIDIA
+container runtime); see docs/operator.md for why and what replaces it."""
+
+
+@dataclass(frozen=True)
+class Port:
+    """A port a process listens on inside its pod (containers of a pod share one network)."""
+
+    name: str  # container port name, at most 15 characters
+    number: int
+
+
+@dataclass(frozen=True)
+class Process:
+    """One process of a pod: one container in Kubernetes, one child process under ``easerve serve``."""
+
+    name: str
+    """Container name, unique in its pod: ``encode``, ``encode-1``, ``local-prefill``, ..."""
+    stage: Stage
+    argv: tuple[str, ...]
+    """The exact command (``easerve worker --stage ...``); the image's entrypoint runs it."""
+    gpus: int = 0
+    """GPUs this process requests: it owns them (``nvidia.com/gpu``)."""
+    owns: tuple[int, ...] = ()
+    """Pod-local indices of the GPUs it owns."""
+    shares: tuple[int, ...] = ()
+    """Pod-local indices of GPUs it uses without requesting them (owned by another process)."""
+    tp: int = 1
+    """Tensor parallelism of its engine."""
+    ports: tuple[Port, ...] = ()
+    system_port: int | None = None
+    """Where its system server (/health, /live, /metrics) listens (``DYN_SYSTEM_PORT``)."""
+    http_port: int | None = None
+    """Where it serves the OpenAI HTTP API (frontend, omni-shared)."""
+    probe: str | None = None
+    """Port name its readiness/liveness probes hit; None: no HTTP endpoint (an idle loop)."""
+    partition_gpus: tuple[int, ...] = ()
+    """Pod-local GPUs whose SM-partition record it takes part in (worker) or writes (controller)."""
+    shm: bool = False
+    """Shares the pod's memory-backed /dev/shm (SM-partition control records)."""
+    policies: tuple[str, ...] = ()
+    """The policy objects it runs, ``kind:name`` (e.g. ``batcher:poisson-gap``, ``router:deficit``)."""
+    env: tuple[tuple[str, str], ...] = ()
+    """Process-specific environment, in order (GPU sharing, partition record index)."""
+
+    @property
+    def health_port(self) -> int | None:
+        """The port whose /health answers (HTTP for the frontend, else the system server)."""
+        return self.http_port if self.probe == "http" else self.system_port if self.probe else None
+
+
+@dataclass(frozen=True)
+class Pod:
+    """One pod shape; ``replicas`` identical pods of it run."""
+
+    stage: Stage
+    """The Deployment's stage label: encode, prefill, decode or omni."""
+    replicas: int
+    processes: tuple[Process, ...]
+    service_ports: tuple[Port, ...]
+    """Ports its Service exposes (target: the container port of the same name)."""
+    metrics_port: int
+    """Where Prometheus scrapes the pod."""
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus for p in self.processes)
+
+    @property
+    def shm(self) -> bool:
+        return any(p.shm for p in self.processes)
+
+    def process(self, stage: Stage) -> list[Process]:
+        return [p for p in self.processes if p.stage == stage]
+
+
+@dataclass(frozen=True)
+class Topology:
+    mode: DeploymentMode
+    pods: tuple[Pod, ...]
+    local_prefill_tp: int = 1
+    """GPUs (and encode GPUs) one local prefill worker spans; 1 without local prefill."""
+
+    def pod(self, stage: Stage) -> Pod:
+        for p in self.pods:
+            if p.stage == stage:
+                return p
+        raise KeyError(stage)
+
+    @property
+    def gpus(self) -> int:
+        return sum(p.gpus * p.replicas for p in self.pods)
+
+    def replicas(self) -> Iterator[tuple[Pod, int]]:
+        """Every pod replica, in plan order (downstream first, so workers exist before clients)."""
+        for pod in self.pods:
+            for r in range(pod.replicas):
+                yield pod, r
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What the layout needs from the latency profile (the caller's, or the shipped one by name)."""
+
+    local_prefill_tp: int = 1
+    """The backbone's smallest TP on the profile's GPU (``Profile.min_tp()``)."""
+    omni_throttle: dict[str, Any] = field(default_factory=dict)
+    """Omni profiles: the bandwidth throttle's ladder, s_aggr, b_sat, gamma and total_sms."""
+
+
+def hardware_for(spec: EPDDeploymentSpec) -> Hardware:
+    """Read what ``plan`` needs from the profile ``spec.engine.profile`` names (only when needed)."""
+    if spec.mode == DeploymentMode.OMNI_COLOCATED:
+        if spec.sm_partition.mode == PartitionMode.NONE:
+            return Hardware()
+        from easerve_runtime.omni.profile import load_omni_profile
+
+        omni = load_omni_profile(spec.engine.profile)
+        return Hardware(omni_throttle={**omni.throttle, "total_sms": omni.total_sms})
+    if not spec.has_local_prefill:
+        return Hardware()
+    from easerve_runtime.profiles import load_profile
+
+    try:
+        profile = load_profile(spec.engine.profile)
+    except (KeyError, ValueError) as exc:
+        raise SpecError("spec.engine.profile", str(exc).strip("'\"")) from exc
+    return Hardware(local_prefill_tp=profile.min_tp())
+
+
+def _worker_argv(stage: str) -> tuple[str, ...]:
+    return ("easerve", "worker", "--stage", str(stage), "--config", CONFIG_PATH)
+
+
+def plan(spec: EPDDeploymentSpec, hardware: Hardware | None = None) -> Topology:
+    """The deployment's pods and processes. ``hardware`` defaults to ``hardware_for(spec)``."""
+    hw = hardware if hardware is not None else hardware_for(spec)
+    if spec.mode == DeploymentMode.OMNI_COLOCATED:
+        return _plan_omni(spec, hw)
+    return _plan_disaggregated(spec, hw)
+
+
+def _partition_policy(spec: EPDDeploymentSpec) -> str | None:
+    """The SM-partition controller's policy on an encode GPU with a local prefill partner."""
+    mode = spec.sm_partition.mode
+    if not spec.has_local_prefill or mode == PartitionMode.NONE:
+        return None
+    return "encode-batch-split" if mode == PartitionMode.DYNAMIC else "static"
+
+
+def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
+    a = spec.allocation
+    s = float(spec.offload.ratio)
+    colocated = spec.has_local_prefill
+    k = hw.local_prefill_tp if colocated else 1
+    if colocated and a.encode.replicas % k:
+        raise SpecError(
+            "spec.allocation.encode.replicas",
+            f"is {a.encode.replicas}, but spec.offload.ratio={s} < 1 puts a local prefill worker on the encode "
+            f"GPUs and the backbone needs TP{k} on {spec.engine.profile}: one local prefill worker spans {k} "
+            f"encode GPUs in one pod, so the encode replicas must be a multiple of {k} "
+            f"(or set spec.offload.ratio to 1)",
+        )
+    policy = _partition_policy(spec)
+    partitioned = policy is not None
+    batcher = f"batcher:{spec.encode.dispatch}"
+
+    def system(name: str, number: int) -> Port:
+        return Port(name, number)
+
+    # encode pod: frontend, k encode workers (one GPU each), and with local prefill one local
+    # prefill worker of TP k sharing those GPUs plus one partition controller per GPU
+    procs: list[Process] = [
+        Process(
+            "frontend",
+            Stage.FRONTEND,
+            _worker_argv(Stage.FRONTEND),
+            ports=(Port("http", HTTP_PORT),),
+            system_port=SYSTEM_PORT + 1,
+            http_port=HTTP_PORT,
+            probe="http",
+            policies=("picker:least-outstanding",),
+        )
+    ]
+    extra_ports = SYSTEM_PORT + 3  # 9090 encode-0, 9091 frontend, 9092 local prefill, then encode-1..
+    for i in range(k):
+        port = system("system", SYSTEM_PORT) if i == 0 else system(f"system-e{i}", extra_ports + i - 1)
+        routes = ("router:deficit", "envelope") if colocated else ("envelope",)
+        procs.append(
+            Process(
+                "encode" if k == 1 else f"encode-{i}",
+                Stage.ENCODE,
+                _worker_argv(Stage.ENCODE),
+                gpus=1,
+                owns=(i,),
+                tp=a.encode.tensor_parallel,
+                ports=(port,),
+                system_port=port.number,
+                probe=port.name,
+                partition_gpus=(i,) if partitioned else (),
+                shm=colocated,
+                policies=(batcher, *routes),
+                env=((PARTITION_GPU_ENV, str(i)),) if partitioned else (),
+            )
+        )
+    if colocated:
+        gpus = tuple(range(k))
+        lp = Port("system-lp", SYSTEM_PORT + 2)
+        procs.append(
+            Process(
+                "local-prefill",
+                Stage.LOCAL_PREFILL,
+                _worker_argv(Stage.LOCAL_PREFILL),
+                shares=gpus,
+                tp=k,
+                ports=(lp,),
+                system_port=lp.number,
+                probe=lp.name,
+                partition_gpus=gpus if partitioned else (),
+                shm=True,
+                policies=("batcher:prefill-tokens",),
+                env=(
+                    *SHARE_GPU_ENV.items(),
+                    *(((PARTITION_GPU_ENV, ",".join(map(str, gpus))),) if partitioned else ()),
+                ),
+            ),
+        )
+        if partitioned:
+            for i in gpus:
+                procs.append(
+                    Process(
+                        "partition-controller" if k == 1 else f"partition-controller-{i}",
+                        Stage.PARTITION_CONTROLLER,
+                        ("easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", str(i)),
+                        shares=(i,),
+                        partition_gpus=(i,),
+                        shm=True,
+                        policies=(f"partition:{policy}",),
+                        env=tuple(SHARE_GPU_ENV.items()),
+                    )
+                )
+    system_port = Port("system", SYSTEM_PORT)
+    encode = Pod(
+        Stage.ENCODE,
+        a.encode.replicas // k,
+        tuple(procs),
+        (Port("http", HTTP_PORT), system_port),
+        SYSTEM_PORT,
+    )
+
+    def single(stage: Stage, tp: int, policies: tuple[str, ...], replicas: int) -> Pod:
+        return Pod(
+            stage,
+            replicas,
+            (
+                Process(
+                    str(stage),
+                    stage,
+                    _worker_argv(stage),
+                    gpus=tp,
+                    owns=tuple(range(tp)),
+                    tp=tp,
+                    ports=(system_port,),
+                    system_port=SYSTEM_PORT,
+                    probe="system",
+                    policies=policies,
+                ),
+            ),
+            (system_port,),
+            SYSTEM_PORT,
+        )
+
+    prefill = single(Stage.PREFILL, a.prefill.tensor_parallel, ("batcher:prefill-tokens",), a.prefill.replicas)
+    decode = single(Stage.DECODE, a.decode.tensor_parallel, ("admission:decode",), a.decode.replicas)
+    return Topology(DeploymentMode.DISAGGREGATED, (encode, prefill, decode), local_prefill_tp=k)
+
+
+def _plan_omni(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
+    """One pod per GPU: the shared stage (HTTP + scheduler, owns the GPU), the downstream stage and
+    the partition controller running the bandwidth throttle, all on that GPU."""
+    if spec.omni is None:
+        raise SpecError("spec.omni", "is required when spec.mode is omni-colocated")
+    worker = ("easerve", "worker", "--config", CONFIG_PATH, "--stage")
+    share = tuple(SHARE_GPU_ENV.items())
+    http, system = Port("http", HTTP_PORT), Port("system", SYSTEM_PORT)
+    down = Port("system-dn", SYSTEM_PORT + 1)
+    procs = [
+        Process(
+            "omni-shared",
+            Stage.OMNI_SHARED,
+            (*worker, str(Stage.OMNI_SHARED)),
+            gpus=1,
+            owns=(0,),
+            ports=(http, system),
+            http_port=HTTP_PORT,
+            probe="http",
+            shm=True,
+            policies=("scheduler:omni", "throttle:bandwidth"),
+        ),
+        Process(
+            "omni-downstream",
+            Stage.OMNI_DOWNSTREAM,
+            (*worker, str(Stage.OMNI_DOWNSTREAM)),
+            shares=(0,),
+            ports=(down,),
+            system_port=down.number,
+            probe=down.name,
+            shm=True,
+            env=(*share, ("DYN_SYSTEM_PORT", str(down.number))),
+        ),
+    ]
+    if spec.sm_partition.mode != PartitionMode.NONE:
+        t = hw.omni_throttle
+        if not t:
+            raise SpecError("spec.engine.profile", "omni SM partitioning needs the profile's throttle ladder")
+        argv = [
+            "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0",
+            "--policy", "bandwidth-throttle", "--ladder", *(str(int(x)) for x in t["ladder"]),
+            "--s-aggr", str(int(t["s_aggr"])), "--b-sat", str(float(t["b_sat"])),
+            "--gamma", str(float(t.get("gamma", 0.4))), "--total-sms", str(int(t["total_sms"])),
+        ]  # fmt: skip
+        procs.append(
+            Process(
+                "partition-controller",
+                Stage.PARTITION_CONTROLLER,
+                tuple(argv),
+                shares=(0,),
+                partition_gpus=(0,),
+                shm=True,
+                policies=("partition:bandwidth-throttle",),
+                env=share,
+            )
+        )
+    pod = Pod(Stage.OMNI, spec.gpu_budget, tuple(procs), (http, system), HTTP_PORT)
+    return Topology(DeploymentMode.OMNI_COLOCATED, (pod,))
