@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import yaml
+from easerve_runtime.api import Stage, parse_spec
+from easerve_runtime.topology import plan
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = ["llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b"]
@@ -103,24 +105,23 @@ def test_examples_create_their_children(k8s: Any, operator: Any, k8s_namespace: 
         assert r.returncode == 0, r.stderr
     for ex in EXAMPLES:
         spec = manifest(ex)["spec"]
+        topo = plan(parse_spec(spec))  # the layout the pods must have (one local prefill per k encode GPUs)
         kids = wait_for(f"{ex} children", lambda ex=ex: complete_children(k8s, ns, ex))
         for dep in kids["deployments"]:
-            stage = dep["metadata"]["labels"]["easerve.io/stage"]
-            alloc = spec["allocation"][stage]
-            assert dep["spec"]["replicas"] == alloc["replicas"]
-            gpus = [
-                c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu")
-                for c in dep["spec"]["template"]["spec"]["containers"]
-            ]
-            assert [g for g in gpus if g] == [str(alloc["tensorParallel"])], (ex, stage, gpus)
+            pod = topo.pod(Stage(dep["metadata"]["labels"]["easerve.io/stage"]))
+            assert dep["spec"]["replicas"] == pod.replicas
+            containers = dep["spec"]["template"]["spec"]["containers"]
+            gpus = [c.get("resources", {}).get("limits", {}).get("nvidia.com/gpu") for c in containers]
+            assert [g for g in gpus if g] == [str(p.gpus) for p in pod.processes if p.gpus], (ex, pod.stage, gpus)
+            assert [c["name"] for c in containers] == [p.name for p in pod.processes]
             owner = dep["metadata"]["ownerReferences"][0]
             assert owner["kind"] == "EPDDeployment" and owner["name"] == ex and owner["controller"] is True
-        encode = next(
-            d for d in kids["deployments"] if d["metadata"]["labels"]["easerve.io/stage"] == "encode"
-        )
-        names = [c["name"] for c in encode["spec"]["template"]["spec"]["containers"]]
+        assert topo.gpus == sum(spec["allocation"][s]["replicas"] * spec["allocation"][s].get("tensorParallel", 1)
+                                for s in STAGES)
+        encode = topo.pod(Stage.ENCODE)
+        names = [p.name for p in encode.processes]
         if spec["offload"]["ratio"] < 1:
-            assert names == ["frontend", "encode", "local-prefill", "partition-controller"]
+            assert "local-prefill" in names and "partition-controller" in names[-1]
         else:
             assert names == ["frontend", "encode"]
         wait_ready(k8s, ns, ex)
@@ -152,8 +153,9 @@ def test_progressing_then_ready_as_pods_become_ready(k8s: Any, operator: Any, k8
     obj = get(k8s, ns, "epd", name)
     assert condition(obj, "Progressing")["status"] == "False"
     assert condition(obj, "Degraded")["status"] == "False"
-    assert obj["status"]["readySummary"] == "2/2,1/1,2/2"
-    assert obj["status"]["stages"]["encode"] == {"desired": 2, "ready": 2}
+    # llava-34b needs TP2 on its 48 GB GPUs: one encode pod holds both encode GPUs and their local prefill
+    assert obj["status"]["readySummary"] == "1/1,1/1,2/2"
+    assert obj["status"]["stages"]["encode"] == {"desired": 1, "ready": 1}
 
 
 def test_changing_b_updates_config_and_rolls_only_encode(k8s: Any, operator: Any, k8s_namespace: str) -> None:

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     import yaml
-    from easerve_runtime.api import KIND, parse_spec, spec_errors
+    from easerve_runtime.api import KIND, SpecError, parse_spec, spec_errors
     from pydantic import ValidationError
 
     from easerve_operator.render import render_children
@@ -46,6 +46,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"error: {meta.get('name', '?')}: {line}", file=sys.stderr)
             return 2
         ns = args.namespace or meta.get("namespace") or "default"
-        out.extend(render_children(meta["name"], ns, args.uid, spec))
+        try:
+            out.extend(render_children(meta["name"], ns, args.uid, spec))
+        except SpecError as exc:  # a layout rule that needs the latency profile
+            print(f"error: {meta.get('name', '?')}: {exc}", file=sys.stderr)
+            return 2
     sys.stdout.write(yaml.safe_dump_all(out, sort_keys=False, width=120))
     return 0

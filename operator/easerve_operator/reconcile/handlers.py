@@ -37,9 +37,11 @@ from easerve_runtime.api import (
     PLURAL,
     VERSION,
     EPDDeploymentSpec,
+    SpecError,
     parse_spec,
     spec_errors,
 )
+from easerve_runtime.topology import plan
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
@@ -246,9 +248,13 @@ def _desired(
 
 def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
     try:
-        return parse_spec(spec), []
+        parsed = parse_spec(spec)
+        plan(parsed)  # layout rules that need the latency profile (local prefill TP) name their field too
+        return parsed, []
     except ValidationError as exc:
         return None, spec_errors(exc)
+    except SpecError as exc:
+        return None, [str(exc)]
 
 
 # ----------------------------------------------------------------------------------- owner

@@ -1,0 +1,124 @@
+"""One topology: the renderer, the local launcher and the twin run the layout ``plan`` decides."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from easerve_operator.render import render_children
+from easerve_runtime.api import Allocation, SpecError, Stage, StageAllocation, load_manifest
+from easerve_runtime.sim.runner import cached_model
+from easerve_runtime.sim.twin import run_pipeline
+from easerve_runtime.sim.twin import topology as twin_topology
+from easerve_runtime.topology import Hardware, plan
+from easerve_runtime.workers.launcher import plan as launcher_plan
+from easerve_runtime.workload import generate
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+DISAGGREGATED = [p for p in EXAMPLES if "omni" not in p.stem]
+
+
+def _variants(path: Path) -> list[Any]:
+    """The example, and the same on an H200 (the backbone fits one GPU: local prefill TP1)."""
+    _, spec = load_manifest(path)
+    gpu = spec.engine.profile.split("@")[0] + "@h200"
+    h200 = spec.model_validate({**spec.wire(), "engine": {**spec.engine.wire(), "profile": gpu}})
+    s05 = spec.model_validate({**spec.wire(), "offload": {"ratio": 0.5}, "smPartition": {"mode": "dynamic"}})
+    return [spec, h200, s05]
+
+
+@pytest.mark.parametrize("path", DISAGGREGATED, ids=lambda p: p.stem)
+def test_renderer_and_launcher_run_the_topologys_processes(path: Path) -> None:
+    for spec in _variants(path):
+        topo = plan(spec)
+        kids = render_children("x", "ns", "u", spec)
+        deps = {d["metadata"]["labels"]["easerve.io/stage"]: d for d in kids if d["kind"] == "Deployment"}
+        assert list(deps) == [str(p.stage) for p in topo.pods]
+        for pod in topo.pods:
+            dep = deps[str(pod.stage)]
+            assert dep["spec"]["replicas"] == pod.replicas
+            containers = dep["spec"]["template"]["spec"]["containers"]
+            assert [(c["name"], c["args"]) for c in containers] == [(p.name, list(p.argv)) for p in pod.processes]
+        expected = sorted((r, p.name) for pod, r in topo.replicas() for p in pod.processes)
+        procs = launcher_plan(spec, 8000)
+        assert sorted((p.pod, p.name) for p in procs) == expected
+        # the partition controllers the pods run are started locally too, on host-unique GPUs
+        pcs = [p for p in procs if p.stage == Stage.PARTITION_CONTROLLER]
+        n_pc = sum(len(pod.process(Stage.PARTITION_CONTROLLER)) * pod.replicas for pod in topo.pods)
+        assert len(pcs) == n_pc and len({p.partition_gpus[0] for p in pcs}) == n_pc
+        if n_pc:
+            enc = {g for p in procs if p.stage == Stage.ENCODE for g in p.partition_gpus}
+            lp = {g for p in procs if p.stage == Stage.LOCAL_PREFILL for g in p.partition_gpus}
+            assert enc == lp == {p.partition_gpus[0] for p in pcs}
+        assert [p.stage for p in procs][-1] == Stage.FRONTEND  # clients after their servers
+        ports = [p.system_port for p in procs if p.system_port is not None]
+        assert len(ports) == len(set(ports))
+
+
+@pytest.mark.parametrize("path", DISAGGREGATED, ids=lambda p: p.stem)
+def test_twin_follows_the_same_layout(path: Path) -> None:
+    for spec in _variants(path):
+        model = cached_model(spec)
+        topo = twin_topology(spec, model)
+        assert topo == plan(spec), "the twin and the pods disagree on the layout"
+        if spec.has_local_prefill:
+            # one local prefill worker of the backbone's TP per encode pod of that many GPUs
+            assert topo.local_prefill_tp == model.min_tp()
+            enc = topo.pod(Stage.ENCODE)
+            assert len(enc.process(Stage.ENCODE)) == topo.local_prefill_tp
+            (lp,) = enc.process(Stage.LOCAL_PREFILL)
+            assert lp.tp == topo.local_prefill_tp and lp.gpus == 0
+            assert lp.shares == tuple(g for p in enc.process(Stage.ENCODE) for g in p.owns)
+        assert topo.gpus == spec.allocation.gpus
+
+
+def test_leftover_encode_gpus_are_refused_by_every_side() -> None:
+    """3 encode GPUs with a TP2 local prefill: one GPU would have no local partner in its pod."""
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    spec = spec.model_copy(
+        update={
+            "allocation": Allocation(
+                encode=StageAllocation(replicas=3),
+                prefill=StageAllocation(replicas=1, tensor_parallel=2),
+                decode=StageAllocation(replicas=1, tensor_parallel=2),
+            )
+        }
+    )
+    match = r"spec\.allocation\.encode\.replicas"
+    with pytest.raises(SpecError, match=match):
+        render_children("x", "ns", "u", spec)
+    with pytest.raises(SpecError, match=match):
+        launcher_plan(spec, 8000)
+    with pytest.raises(SpecError, match=match):
+        run_pipeline(spec, generate(spec, 1.0, 3, seed=0), cached_model(spec))
+    # with the whole backbone on one GPU (H200) the same allocation is fine
+    h200 = spec.model_copy(update={"engine": spec.engine.model_copy(update={"profile": "llava-v1.6-34b@h200"})})
+    assert plan(h200).pod(Stage.ENCODE).replicas == 3
+
+
+def test_no_partition_controller_without_sm_partitioning() -> None:
+    """mode none: the workers never read a record, so a controller would only burn a CPU (and, on
+    a machine without NVML, exit for want of an SM count)."""
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    none = spec.model_copy(update={"sm_partition": spec.sm_partition.model_copy(update={"mode": "none"})})
+    enc = plan(none).pod(Stage.ENCODE)
+    assert enc.process(Stage.PARTITION_CONTROLLER) == []
+    assert all(not p.partition_gpus for p in enc.processes)
+    assert len(enc.process(Stage.LOCAL_PREFILL)) == 1
+
+
+def test_omni_pod() -> None:
+    _, spec = load_manifest(REPO / "examples" / "qwen2.5-omni.yaml")
+    topo = plan(spec)
+    (pod,) = topo.pods
+    assert pod.stage == Stage.OMNI and pod.replicas == spec.gpu_budget and pod.gpus == 1
+    assert [p.stage for p in pod.processes] == [Stage.OMNI_SHARED, Stage.OMNI_DOWNSTREAM, Stage.PARTITION_CONTROLLER]
+    owner = [p for p in pod.processes if p.gpus]
+    assert [p.name for p in owner] == ["omni-shared"]
+    assert all(p.shares == (0,) for p in pod.processes if not p.gpus)
+    pc = pod.process(Stage.PARTITION_CONTROLLER)[0]
+    assert "--ladder" in pc.argv and "--total-sms" in pc.argv
+    with pytest.raises(SpecError, match="spec.engine.profile"):
+        plan(spec, Hardware())  # SM partitioning without the profile's ladder is refused, not guessed
