@@ -122,3 +122,11 @@ def test_omni_pod() -> None:
     assert "--ladder" in pc.argv and "--total-sms" in pc.argv
     with pytest.raises(SpecError, match="spec.engine.profile"):
         plan(spec, Hardware())  # SM partitioning without the profile's ladder is refused, not guessed
+
+
+def test_launcher_runs_the_omni_pods_processes() -> None:
+    _, spec = load_manifest(REPO / "examples" / "qwen2.5-omni.yaml")
+    procs = launcher_plan(spec, 8000)
+    assert [p.name for p in procs] == ["partition-controller", "omni-downstream", "omni-shared"]
+    shared = procs[-1]
+    assert shared.http_port == 8000 and shared.argv[-1] == "omni-shared"

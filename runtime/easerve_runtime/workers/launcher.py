@@ -2,7 +2,8 @@
 
 One process per container of every pod replica, exactly as the pods run them: the layout is
 ``easerve_runtime.topology.plan``'s (encode pods with their frontend, encode workers, local
-prefill worker and partition controllers; the prefill and decode pods). Every process gets its
+prefill worker and partition controllers; the prefill and decode pods; in omni-colocated mode
+the omni pod's shared stage, downstream stage and partition controller). Every process gets its
 own Dynamo system port, and all share one file-discovery directory under the work dir, so two
 ``serve`` runs on a host never see each other's workers.
 
@@ -36,7 +37,6 @@ from easerve_runtime.api import (
     DeploymentMode,
     EPDDeploymentSpec,
     RuntimeConfig,
-    SpecError,
     Stage,
     dynamo_namespace,
 )
@@ -93,12 +93,23 @@ START_ORDER = {
     Stage.PREFILL: 1,
     Stage.PARTITION_CONTROLLER: 2,
     Stage.LOCAL_PREFILL: 3,
+    Stage.OMNI_DOWNSTREAM: 3,
     Stage.ENCODE: 4,
     Stage.FRONTEND: 5,
+    Stage.OMNI_SHARED: 5,
 }
-"""Downstream first, so a worker's clients find it; the frontends last."""
-STOP_ORDER = (Stage.ENCODE, Stage.LOCAL_PREFILL, Stage.PREFILL, Stage.DECODE, Stage.PARTITION_CONTROLLER)
-"""After the frontends: upstream first, each drains into the next; the controllers last."""
+"""Downstream first, so a worker's clients find it; the HTTP front doors last."""
+ENTRY = (Stage.FRONTEND, Stage.OMNI_SHARED)
+"""The HTTP front doors: stopped first, they drain accepted requests through the rest."""
+STOP_ORDER = (
+    Stage.ENCODE,
+    Stage.LOCAL_PREFILL,
+    Stage.PREFILL,
+    Stage.DECODE,
+    Stage.OMNI_DOWNSTREAM,
+    Stage.PARTITION_CONTROLLER,
+)
+"""After the front doors: upstream first, each drains into the next; the controllers last."""
 
 
 def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = None) -> list[Proc]:
@@ -110,8 +121,6 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
     ``http_port`` and any others a free one; partition records get host-unique GPU indices
     (pod replica x GPUs of the pod + the pod-local index).
     """
-    if spec.mode != DeploymentMode.DISAGGREGATED:
-        raise SpecError("spec.mode", f"easerve serve runs disaggregated deployments as processes, not {spec.mode}")
     topo = topology_plan(spec, hardware)
     procs: list[Proc] = []
     count: dict[str, int] = {}
@@ -123,7 +132,7 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
             count[stage] = index + 1
             http = None
             if p.http_port is not None:
-                http = http_port if stage == Stage.FRONTEND and index == 0 else free_port()
+                http = http_port if stage in ENTRY and index == 0 else free_port()
             procs.append(
                 Proc(
                     stage,
@@ -228,7 +237,7 @@ class Launcher:
     def _healthy(self, p: Proc) -> bool:
         """/health answers 200; a process without a health endpoint (a partition controller) is
         healthy while it runs (the caller checks that first)."""
-        port = p.http_port if p.stage == Stage.FRONTEND else p.system_port
+        port = p.http_port if p.http_port is not None else p.system_port
         if port is None:
             return True
         try:
@@ -287,8 +296,8 @@ class Launcher:
 
     def stop(self, grace: float = STOP_GRACE_S) -> None:
         """Frontend first (it drains accepted requests through the workers), then the workers."""
-        fe = [i for i, p in enumerate(self.procs) if p.stage == "frontend"]
-        workers = [i for i, p in enumerate(self.procs) if p.stage != "frontend"]
+        fe = [i for i, p in enumerate(self.procs) if p.stage in ENTRY]
+        workers = [i for i, p in enumerate(self.procs) if p.stage not in ENTRY]
         self._signal(fe, signal.SIGTERM)
         self._wait(fe, grace)
         for stage in STOP_ORDER:
@@ -305,11 +314,6 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
     from easerve_runtime.api import load_manifest
 
     name, spec = load_manifest(path)
-    if spec.mode == DeploymentMode.OMNI_COLOCATED:  # one process over one shared engine
-        from easerve_runtime.workers.omni import SLO_ENV
-        from easerve_runtime.workers.omni import serve as serve_omni
-
-        return serve_omni(name, spec, port, slo_table=os.environ.get(SLO_ENV), host="127.0.0.1")
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"easerve-{name}-"))
     launcher = Launcher(name, spec, port, wd, env)
     stopping = False
@@ -331,7 +335,7 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
         "EAServe %s (%s, %s) serving at %s/v1/chat/completions (workdir %s)",
         name,
         spec.served_model_name,
-        spec.allocation.label(),
+        spec.allocation.label() if spec.mode == DeploymentMode.DISAGGREGATED else f"{spec.gpu_budget}x omni pod",
         launcher.url,
         wd,
     )
