@@ -188,3 +188,21 @@ def test_child_names_are_dns_labels(name: str, suffix: str, expect: str) -> None
 def test_long_names_stay_unique_and_short() -> None:
     a, b = child_name("x" * 80 + "a", "prefill"), child_name("x" * 80 + "b", "prefill")
     assert a != b and len(a) <= 63 and len(b) <= 63 and a.endswith("-prefill")
+
+
+def test_admission_and_easerve_render_refuse_leftover_encode_gpus(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The layout rule needs the profile, so it is not a schema rule; the webhook and the CLI still name it."""
+    import kopf
+    from easerve_operator.cli import main as easerve
+    from easerve_operator.reconcile.handlers import validate
+
+    doc = yaml.safe_load((REPO / "examples" / "llava-v1.6-34b.yaml").read_text())
+    doc["spec"]["allocation"]["encode"]["replicas"] = 3
+    doc["spec"]["allocation"]["decode"]["replicas"] = 1
+    with pytest.raises(kopf.AdmissionError, match=r"spec\.allocation\.encode\.replicas"):
+        validate(spec=doc["spec"])
+    f = tmp_path / "x.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert easerve(["render", "-f", str(f)]) == 2
+    assert "spec.allocation.encode.replicas" in capsys.readouterr().err
