@@ -153,6 +153,9 @@ class Hardware:
 
     local_prefill_tp: int = 1
     """The backbone's smallest TP on the profile's GPU (``Profile.min_tp()``)."""
+    total_sms: int | None = None
+    """SMs of the profile's GPU: the partition controller's SM count where NVML cannot tell
+    (a CPU node running the sim engine); the dynamic table is built for the same count."""
     omni_throttle: dict[str, Any] = field(default_factory=dict)
     """Omni profiles: the bandwidth throttle's ladder, s_aggr, b_sat, gamma and total_sms."""
 
@@ -174,7 +177,7 @@ def hardware_for(spec: EPDDeploymentSpec) -> Hardware:
         profile = load_profile(spec.engine.profile)
     except (KeyError, ValueError) as exc:
         raise SpecError("spec.engine.profile", str(exc).strip("'\"")) from exc
-    return Hardware(local_prefill_tp=profile.min_tp())
+    return Hardware(local_prefill_tp=profile.min_tp(), total_sms=profile.sms)
 
 
 def _worker_argv(stage: str) -> tuple[str, ...]:
@@ -280,7 +283,10 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
                     Process(
                         "partition-controller" if k == 1 else f"partition-controller-{i}",
                         Stage.PARTITION_CONTROLLER,
-                        ("easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", str(i)),
+                        (
+                            "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", str(i),
+                            *(("--total-sms", str(hw.total_sms)) if hw.total_sms else ()),
+                        ),  # fmt: skip
                         shares=(i,),
                         partition_gpus=(i,),
                         shm=True,

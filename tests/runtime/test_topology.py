@@ -98,6 +98,17 @@ def test_leftover_encode_gpus_are_refused_by_every_side() -> None:
     assert plan(h200).pod(Stage.ENCODE).replicas == 3
 
 
+def test_partition_controllers_start_without_nvml_in_every_mode() -> None:
+    """The SM count comes from the profile's GPU, so a controller on a CPU node (sim engine) runs;
+    static mode has no table to take it from."""
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    part = spec.sm_partition.model_copy(update={"mode": "static", "static_encode_sms": 96})
+    static = spec.model_copy(update={"sm_partition": part})
+    for s in (spec, static):
+        for pc in plan(s).pod(Stage.ENCODE).process(Stage.PARTITION_CONTROLLER):
+            assert pc.argv[pc.argv.index("--total-sms") + 1] == str(cached_model(s).total_sms)
+
+
 def test_no_partition_controller_without_sm_partitioning() -> None:
     """mode none: the workers never read a record, so a controller would only burn a CPU (and, on
     a machine without NVML, exit for want of an SM count)."""

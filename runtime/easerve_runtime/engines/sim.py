@@ -108,7 +108,7 @@ class SimEngine:
         from easerve_runtime.topology import Hardware, plan
 
         profile = load_profile(spec.engine.profile)
-        hw = Hardware(local_prefill_tp=profile.min_tp() if spec.has_local_prefill else 1)
+        hw = Hardware(local_prefill_tp=profile.min_tp()) if spec.has_local_prefill else Hardware()
         topo = plan(spec, hw) if spec.mode == DeploymentMode.DISAGGREGATED else None
         tps = [p.tp for pod in topo.pods for p in pod.processes if p.stage == stage] if topo else []
         anyres = getattr(profile, "anyres", None)

@@ -26,7 +26,9 @@ from easerve_runtime.workload.request import Request
 
 def topology(spec: EPDDeploymentSpec, model: StageModel) -> Topology:
     """The deployment's layout, with the backbone's TP on this model's GPU for local prefill."""
-    return plan(spec, Hardware(local_prefill_tp=model.min_tp() if spec.has_local_prefill else 1))
+    if not spec.has_local_prefill:
+        return plan(spec, Hardware())
+    return plan(spec, Hardware(local_prefill_tp=model.min_tp(), total_sms=model.total_sms or None))
 
 
 def run_pipeline(
