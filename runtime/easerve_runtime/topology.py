@@ -167,7 +167,10 @@ def hardware_for(spec: EPDDeploymentSpec) -> Hardware:
             return Hardware()
         from easerve_runtime.omni.profile import load_omni_profile
 
-        omni = load_omni_profile(spec.engine.profile)
+        try:
+            omni = load_omni_profile(spec.engine.profile)
+        except (KeyError, ValueError) as exc:
+            raise _profile_error(exc) from exc
         return Hardware(omni_throttle={**omni.throttle, "total_sms": omni.total_sms})
     if not spec.has_local_prefill:
         return Hardware()
@@ -176,8 +179,13 @@ def hardware_for(spec: EPDDeploymentSpec) -> Hardware:
     try:
         profile = load_profile(spec.engine.profile)
     except (KeyError, ValueError) as exc:
-        raise SpecError("spec.engine.profile", str(exc).strip("'\"")) from exc
+        raise _profile_error(exc) from exc
     return Hardware(local_prefill_tp=profile.min_tp(), total_sms=profile.sms)
+
+
+def _profile_error(exc: Exception) -> SpecError:
+    msg = str(exc).strip("'\"")
+    return SpecError("spec.engine.profile", msg.removeprefix("spec.engine.profile: "))
 
 
 def _worker_argv(stage: str) -> tuple[str, ...]:

@@ -141,3 +141,11 @@ def test_launcher_runs_the_omni_pods_processes() -> None:
     assert [p.name for p in procs] == ["partition-controller", "omni-downstream", "omni-shared"]
     shared = procs[-1]
     assert shared.http_port == 8000 and shared.argv[-1] == "omni-shared"
+
+
+@pytest.mark.parametrize("example", ["llava-v1.6-34b", "qwen2.5-omni"])
+def test_an_unknown_profile_the_layout_needs_is_named(example: str) -> None:
+    _, spec = load_manifest(REPO / "examples" / f"{example}.yaml")
+    spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"profile": "nope@h200"})})
+    with pytest.raises(SpecError, match=r"^spec\.engine\.profile: unknown .*nope@h200"):
+        plan(spec)
