@@ -225,9 +225,6 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
     partitioned = policy is not None
     batcher = f"batcher:{spec.encode.dispatch}"
 
-    def system(name: str, number: int) -> Port:
-        return Port(name, number)
-
     # encode pod: frontend, k encode workers (one GPU each), and with local prefill one local
     # prefill worker of TP k sharing those GPUs plus one partition controller per GPU
     procs: list[Process] = [
@@ -242,10 +239,10 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
             policies=("picker:least-outstanding",),
         )
     ]
-    extra_ports = SYSTEM_PORT + 3  # 9090 encode-0, 9091 frontend, 9092 local prefill, then encode-1..
+    # system ports: 9090 encode-0 (the Service's), 9091 frontend, 9092 local prefill, 9093.. encode-1..
+    routes = ("router:deficit", "envelope") if colocated else ("envelope",)
     for i in range(k):
-        port = system("system", SYSTEM_PORT) if i == 0 else system(f"system-e{i}", extra_ports + i - 1)
-        routes = ("router:deficit", "envelope") if colocated else ("envelope",)
+        port = Port("system", SYSTEM_PORT) if i == 0 else Port(f"system-e{i}", SYSTEM_PORT + 2 + i)
         procs.append(
             Process(
                 "encode" if k == 1 else f"encode-{i}",
