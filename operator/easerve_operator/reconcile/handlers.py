@@ -40,6 +40,7 @@ from easerve_runtime.api import (
     parse_spec,
     spec_errors,
 )
+from easerve_runtime.profiles import profile_errors
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
@@ -246,9 +247,12 @@ def _desired(
 
 def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
     try:
-        return parse_spec(spec), []
+        parsed = parse_spec(spec)
     except ValidationError as exc:
         return None, spec_errors(exc)
+    # the spec against its latency profile, where readable here (a shipped name): spec.model.encoder
+    profile_errs = [str(e) for e in profile_errors(parsed)]
+    return (None, profile_errs) if profile_errs else (parsed, [])
 
 
 # ----------------------------------------------------------------------------------- owner

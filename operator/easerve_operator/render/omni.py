@@ -20,6 +20,7 @@ from typing import Any
 
 from easerve_runtime.api import CONFIG_PATH, GPU_RESOURCE, HTTP_PORT, SYSTEM_PORT, EPDDeploymentSpec
 
+from easerve_operator.render.profile import profile_mounts, profile_volumes
 from easerve_operator.render.stages import config_map_name, stage_name
 
 STAGE = "omni"
@@ -68,6 +69,7 @@ def _container(
         "volumeMounts": [
             {"name": "config", "mountPath": "/etc/easerve", "readOnly": True},
             {"name": "shm", "mountPath": "/dev/shm"},
+            *profile_mounts(spec),  # spec.engine.profileConfigMap, if given
         ],
     }
     if ports:
@@ -150,6 +152,7 @@ def render_omni(
         "volumes": [
             {"name": "config", "configMap": {"name": config_map_name(name)}},
             {"name": "shm", "emptyDir": {"medium": "Memory"}},
+            *profile_volumes(spec),
         ],
         "terminationGracePeriodSeconds": 60,
         "enableServiceLinks": False,

@@ -25,6 +25,8 @@ from easerve_runtime.api import (
     dynamo_namespace,
 )
 
+from easerve_operator.render.profile import profile_mounts, profile_volumes
+
 STAGES = ("encode", "prefill", "decode")
 TCP_MAX_MESSAGE = str(256 * 1024 * 1024)
 GPU = GPU_RESOURCE
@@ -165,6 +167,7 @@ def _container(
     mounts = [{"name": "config", "mountPath": "/etc/easerve", "readOnly": True}]
     if shm:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    mounts.extend(profile_mounts(spec))  # spec.engine.profileConfigMap, if given
     c: dict[str, Any] = {
         "name": cname,
         "image": spec.engine.image,
@@ -230,6 +233,7 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
             volumes.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     else:
         containers = [_container(config, stage, stage, alloc.tensor_parallel, system_port, False)]
+    volumes.extend(profile_volumes(spec))  # spec.engine.profileConfigMap, if given
     pod: dict[str, Any] = {
         "containers": containers,
         "volumes": volumes,

@@ -80,10 +80,10 @@ def _apply_config(args: argparse.Namespace) -> object | None:
         args.static_sms = part.static_encode_sms
     if args.policy != "encode-batch-split" or args.table is not None:
         return None
-    from easerve_runtime.profiles import load_profile
+    from easerve_runtime.profiles import spec_profile
     from easerve_runtime.profiles.partition import partition_table
 
-    profile = load_profile(cfg.spec.engine.profile)
+    profile = spec_profile(cfg.spec)
     return partition_table(profile, profile.sms, epsilon=part.epsilon)
 
 
