@@ -1,15 +1,18 @@
 """Goodput against the baselines, on the twin: four systems x rates x the three example models.
 
 For every example (image, video, audio) and every arrival rate, each system gets its best
-configuration for that rate, chosen on a tuning workload (same rate, another seed), and is then
-measured on the evaluation workload (the same requests for every system):
+configuration for that rate, chosen on a tuning workload (same rate, another seed, and as many
+requests as the evaluation: 500 by default, the spec's ``requestsPerTrial``), and is then
+measured on the evaluation workload (the same requests for every system). Tuning on shorter runs
+than the evaluation picks baselines that look best before their queues reach steady state and
+then collapse on the long run (issue 16: 200 tuning requests did exactly that):
 
 - dynamo: B = 1 pass-through encode, s = 1, best of EVERY feasible allocation;
 - aggregated: vLLM-style E+P+D replicas, best TP/replica layout;
 - easerve-s1: our batching (Poisson gap), s = 1, best of allocations x B;
-- easerve: our batching + partial offload + dynamic SM split, best of the top allocations x B x s.
-  NOTE: this is a grid search standing in for HAS (easerve_operator.tuning) until the lead wires
-  HAS in; both search the same (allocation, B, s) space.
+- easerve: our batching + partial offload + dynamic SM split, as HAS picks it (``--tuner has``,
+  the default: Stage 1 + Optuna on the twin), or the best of a grid over the top allocations x
+  B x s (``--tuner grid``); both search the same (allocation, B, s) space.
 
 Outputs JSON (stdout and OUT/goodput.json), PNGs (goodput vs tier, throughput and P99 TTFT vs
 rate), and a table of goodput ratios at the moderate tier. ``--dispatch-sweep`` compares the
@@ -374,7 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--examples", nargs="+", default=list(EXAMPLES), choices=EXAMPLES)
     ap.add_argument("--rates", nargs="+", type=float, default=[1.0, 2.0, 3.0, 4.0, 5.0])
     ap.add_argument("--requests", type=int, default=500)
-    ap.add_argument("--tune-requests", type=int, default=200)
+    ap.add_argument(
+        "--tune-requests", type=int, default=None,
+        help="requests per tuning run (default: --requests, so tuning and evaluation runs are equally long)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="evaluation seeds per point (median reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cvs", nargs="+", type=float, default=[0.5, 1.0, 2.0])
@@ -382,11 +388,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tuner", choices=["has", "grid"], default="has",
                     help="how easerve's configuration is chosen: HAS (default; budget 30, goodput@objective) "
                     "or an exhaustive grid over the top-3 allocations x B x s")
-    ap.add_argument("--quick", action="store_true", help="rates 2 and 4, 200 requests, 100 tuning requests")
+    ap.add_argument("--quick", action="store_true", help="rates 2 and 4, 200 requests (tuning runs as long)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out"))
     args = ap.parse_args(argv)
     if args.quick:
-        args.rates, args.requests, args.tune_requests = [2.0, 4.0], 200, 100
+        args.rates, args.requests = [2.0, 4.0], 200
+    if args.tune_requests is None:
+        args.tune_requests = args.requests
     outdir = Path(args.out)
     outdir.mkdir(parents=True, exist_ok=True)
     if args.dispatch_sweep:

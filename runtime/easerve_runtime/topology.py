@@ -161,31 +161,41 @@ class Hardware:
 
 
 def hardware_for(spec: EPDDeploymentSpec) -> Hardware:
-    """Read what ``plan`` needs from the profile ``spec.engine.profile`` names (only when needed)."""
+    """Read what ``plan`` needs from the spec's latency profile (only when the layout needs it).
+
+    The profile comes through the one loader (``profiles.spec_profile`` / ``profile_path``), so a
+    shipped name, a file or a mounted ConfigMap all work. A profile file that is not readable here
+    (the operator does not see the pods' ConfigMap mount) lays out local prefill at TP 1; the
+    workers re-check the profile when they start.
+    """
+    from easerve_runtime.profiles.source import ProfileFileError, profile_path, profile_source, spec_profile
+
+    src = profile_source(spec)
+    readable = src.path() is None or bool(src.path() and src.path().exists())  # type: ignore[union-attr]
     if spec.mode == DeploymentMode.OMNI_COLOCATED:
-        if spec.sm_partition.mode == PartitionMode.NONE:
+        if spec.sm_partition.mode == PartitionMode.NONE or not readable:
             return Hardware()
         from easerve_runtime.omni.profile import load_omni_profile
 
         try:
-            omni = load_omni_profile(spec.engine.profile)
+            omni = load_omni_profile(profile_path(spec))
         except (KeyError, ValueError) as exc:
-            raise _profile_error(exc) from exc
+            raise _profile_error(exc, src.field) from exc
         return Hardware(omni_throttle={**omni.throttle, "total_sms": omni.total_sms})
-    if not spec.has_local_prefill:
+    if not spec.has_local_prefill or not readable:
         return Hardware()
-    from easerve_runtime.profiles import load_profile
-
     try:
-        profile = load_profile(spec.engine.profile)
-    except (KeyError, ValueError) as exc:
-        raise _profile_error(exc) from exc
+        profile = spec_profile(spec)
+    except SpecError:
+        raise
+    except (KeyError, ValueError, ProfileFileError) as exc:
+        raise _profile_error(exc, src.field) from exc
     return Hardware(local_prefill_tp=profile.min_tp(), total_sms=profile.sms)
 
 
-def _profile_error(exc: Exception) -> SpecError:
+def _profile_error(exc: Exception, path: str = "spec.engine.profile") -> SpecError:
     msg = str(exc).strip("'\"")
-    return SpecError("spec.engine.profile", msg.removeprefix("spec.engine.profile: "))
+    return SpecError(path, msg.removeprefix(f"{path}: "))
 
 
 def _worker_argv(stage: str) -> tuple[str, ...]:
@@ -371,14 +381,13 @@ def _plan_omni(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
     ]
     if spec.sm_partition.mode != PartitionMode.NONE:
         t = hw.omni_throttle
-        if not t:
-            raise SpecError("spec.engine.profile", "omni SM partitioning needs the profile's throttle ladder")
-        argv = [
-            "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0",
-            "--policy", "bandwidth-throttle", "--ladder", *(str(int(x)) for x in t["ladder"]),
-            "--s-aggr", str(int(t["s_aggr"])), "--b-sat", str(float(t["b_sat"])),
-            "--gamma", str(float(t.get("gamma", 0.4))), "--total-sms", str(int(t["total_sms"])),
-        ]  # fmt: skip
+        argv = ["easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", "0"]
+        if t:  # else a profile not readable here (a ConfigMap): the controller reads it in the pod
+            argv += [
+                "--policy", "bandwidth-throttle", "--ladder", *(str(int(x)) for x in t["ladder"]),
+                "--s-aggr", str(int(t["s_aggr"])), "--b-sat", str(float(t["b_sat"])),
+                "--gamma", str(float(t.get("gamma", 0.4))), "--total-sms", str(int(t["total_sms"])),
+            ]  # fmt: skip
         procs.append(
             Process(
                 "partition-controller",

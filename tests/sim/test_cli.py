@@ -72,6 +72,10 @@ def test_all_systems_and_ratios(capsys) -> None:
     assert set(d["ratios"]) == {"easerve/dynamo", "easerve/aggregated", "easerve/easerve-s1"}
     assert d["systems"]["dynamo"]["config"]["batch_bound"] == 1
     assert len(d["systems"]["dynamo"]["swept"]) > 1  # a real sweep
+    # the ratios compare an untuned spec with oracle-tuned baselines, and say so
+    assert d["ratio_basis"]["easerve"].startswith("untuned")
+    assert d["ratio_basis"]["dynamo"].startswith("oracle-tuned: best of")
+    assert d["ratio_basis"]["aggregated"].startswith("oracle-tuned")
 
 
 def test_seeded_cli_runs_are_identical_and_gamma_differs(capsys) -> None:

@@ -27,6 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import yaml
     from easerve_runtime.api import KIND, SpecError, parse_spec, spec_errors
+    from easerve_runtime.profiles import profile_errors
     from pydantic import ValidationError
 
     from easerve_operator.render import render_children
@@ -44,6 +45,11 @@ def run(args: argparse.Namespace) -> int:
         except ValidationError as exc:
             for line in spec_errors(exc):
                 print(f"error: {meta.get('name', '?')}: {line}", file=sys.stderr)
+            return 2
+        profile_errs = profile_errors(spec)  # e.g. spec.model.encoder against a shipped profile
+        for err in profile_errs:
+            print(f"error: {meta.get('name', '?')}: {err}", file=sys.stderr)
+        if profile_errs:
             return 2
         ns = args.namespace or meta.get("namespace") or "default"
         try:

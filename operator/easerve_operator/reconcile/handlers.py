@@ -41,6 +41,7 @@ from easerve_runtime.api import (
     parse_spec,
     spec_errors,
 )
+from easerve_runtime.profiles import profile_errors
 from easerve_runtime.topology import plan
 from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
@@ -249,12 +250,17 @@ def _desired(
 def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
     try:
         parsed = parse_spec(spec)
-        plan(parsed)  # layout rules that need the latency profile (local prefill TP) name their field too
-        return parsed, []
     except ValidationError as exc:
         return None, spec_errors(exc)
+    # the spec against its latency profile, where readable here (a shipped name): spec.model.encoder
+    profile_errs = [str(e) for e in profile_errors(parsed)]
+    if profile_errs:
+        return None, profile_errs
+    try:
+        plan(parsed)  # layout rules that need the latency profile (local prefill TP) name their field too
     except SpecError as exc:
         return None, [str(exc)]
+    return parsed, []
 
 
 # ----------------------------------------------------------------------------------- owner

@@ -23,6 +23,7 @@ from easerve_runtime.api import (
 )
 from easerve_runtime.topology import Pod, Port, Process
 
+from easerve_operator.render.profile import profile_mounts, profile_volumes
 from easerve_operator.render.stages import config_map_name, labels, selector, stage_name
 
 TCP_MAX_MESSAGE = str(256 * 1024 * 1024)
@@ -80,10 +81,11 @@ def resources(config: RuntimeConfig, gpus: int) -> dict[str, dict[str, str]]:
     return {k: v for k, v in out.items() if v}
 
 
-def volume_mounts(proc: Process) -> list[dict[str, Any]]:
+def volume_mounts(config: RuntimeConfig, proc: Process) -> list[dict[str, Any]]:
     mounts: list[dict[str, Any]] = [{"name": "config", "mountPath": CONFIG_DIR, "readOnly": True}]
     if proc.shm:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
+    mounts.extend(profile_mounts(config.spec))
     return mounts
 
 
@@ -93,6 +95,7 @@ def volumes(config: RuntimeConfig, pod: Pod) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = [{"name": "config", "configMap": {"name": config_map_name(config.name)}}]
     if pod.shm:
         out.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
+    out.extend(profile_volumes(config.spec))
     return out
 
 
@@ -108,7 +111,7 @@ def container(config: RuntimeConfig, proc: Process) -> dict[str, Any]:
         # args, not command: the image's entrypoint (tini) stays PID 1 and reaps/forwards signals
         "args": list(proc.argv),
         "env": container_env(config, proc),
-        "volumeMounts": volume_mounts(proc),
+        "volumeMounts": volume_mounts(config, proc),
     }
     if proc.ports:
         c["ports"] = container_ports(proc.ports)

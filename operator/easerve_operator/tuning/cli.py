@@ -179,8 +179,8 @@ def run(args: argparse.Namespace) -> int:
     if store.exists() and not args.resume:
         return _fail(f"--out: {store.path} already holds a search; pass --resume to continue it or --fresh")
 
-    profiler = SimStageProfiler(spec, rate=rate)
     try:
+        profiler = SimStageProfiler(spec, rate=rate)  # loads the profile: a SpecError names the field
         space = space_for(
             spec,
             profiler.min_tp(),

@@ -46,3 +46,10 @@ SYSTEM_PORT = 9090
 CONFIG_DIR = "/etc/easerve"
 CONFIG_PATH = f"{CONFIG_DIR}/config.json"
 GPU_RESOURCE = "nvidia.com/gpu"
+PROFILE_DIR = f"{CONFIG_DIR}/profile"
+"""Where the renderer mounts ``spec.engine.profileConfigMap`` (a nested mount inside the config
+volume; the kubelet creates its mount point, kubernetes/kubernetes#60342)."""
+PROFILE_KEY = "profile.json"
+"""The key of that ConfigMap the runtime reads: ``PROFILE_DIR/PROFILE_KEY``."""
+PROFILE_DIR_ENV = "EASERVE_PROFILE_DIR"
+"""Overrides ``PROFILE_DIR`` outside a pod (``easerve up``, tests): a directory holding profile.json."""

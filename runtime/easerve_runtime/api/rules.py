@@ -29,6 +29,22 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
     """Rules the schema cannot express. Each names its field by wire path."""
     errs: list[SpecError] = []
     a = spec.allocation
+    e = spec.engine
+    sources = {
+        "spec.engine.profile": e.profile,
+        "spec.engine.profileFile": e.profile_file,
+        "spec.engine.profileConfigMap": e.profile_config_map,
+    }
+    given = [k for k, v in sources.items() if v is not None]
+    if len(given) != 1:
+        errs.append(
+            SpecError(
+                "spec.engine",
+                "give exactly one latency profile source: spec.engine.profile (a shipped name), "
+                "spec.engine.profileFile (a path) or spec.engine.profileConfigMap (a ConfigMap); "
+                f"got {', '.join(given) if given else 'none'}",
+            )
+        )
     tier_names = [t.name for t in spec.slo.tiers]
     if len(set(tier_names)) != len(tier_names):
         errs.append(SpecError("spec.slo.tiers", f"tier names must be unique, got {tier_names}"))

@@ -107,7 +107,26 @@ class EngineSpec(Model):
     image: str = Field(
         default="ghcr.io/easerve/runtime-cpu:0.1.0", min_length=1, description="Container image of the runtime."
     )
-    profile: str = Field(min_length=1, description="Latency profile name (see docs/profiles.md).")
+    profile: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Shipped latency profile, <model>@<gpu> (see docs/profiles.md). Exactly one of profile, "
+        "profileFile and profileConfigMap is given.",
+    )
+    profile_file: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Path of a profile file (JSON, the schema of docs/profiles.md) readable by the workers and "
+        "the CLI; relative paths are resolved against the working directory.",
+    )
+    profile_config_map: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="ConfigMap in the deployment's namespace whose key profile.json is a profile file; mounted "
+        "into every pod at /etc/easerve/profile/.",
+    )
 
 
 class StageAllocation(Model):

@@ -39,6 +39,23 @@ def _fail(msg: str) -> int:
     return 2
 
 
+def trace_rate(arrivals: list[float]) -> float | None:
+    """The offered rate of a replayed trace: (n - 1) arrivals over the span from first to last.
+    None for fewer than two requests or a zero span (no rate to speak of)."""
+    if len(arrivals) < 2:
+        return None
+    span = max(arrivals) - min(arrivals)
+    return (len(arrivals) - 1) / span if span > 0 else None
+
+
+def workload_meta(args: argparse.Namespace, arrivals: list[float]) -> dict[str, object]:
+    """What the report says about the offered load: the trace's own rate when one is replayed
+    (``--rate`` and ``--seed`` played no part then), else the generator's parameters."""
+    if args.trace:
+        return {"rate": trace_rate(arrivals), "seed": None, "arrival": "trace", "trace": args.trace}
+    return {"rate": args.rate, "seed": args.seed, "arrival": args.arrival}
+
+
 def run(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -108,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.close()
     rep = report(outcomes, duration, slo)
-    rep.update({"url": args.url, "rate": args.rate, "seed": args.seed})
+    rep.update({"url": args.url, **workload_meta(args, [r.arrival_s for r in reqs])})
     if args.json:
         print(json.dumps(rep, indent=1, sort_keys=True))
     else:

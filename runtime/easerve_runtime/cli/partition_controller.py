@@ -37,7 +37,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--s-aggr", type=int, help="no-downstream SM cap (bandwidth-throttle; default: all SMs)"
     )
     parser.add_argument(
-        "--b-sat", type=float, default=60.0, help="memory activity (%%) at which the cap reaches S_cap"
+        "--b-sat", type=float, default=None, help="memory activity (%%) at which the cap reaches S_cap (default 60)"
     )
     parser.add_argument("--gamma", type=float, default=0.4, help="EWMA weight of the NVML signal")
     parser.add_argument("--static-sms", type=int, help="primary SMs (static)")
@@ -74,17 +74,39 @@ def _apply_config(args: argparse.Namespace) -> object | None:
     cfg = RuntimeConfig.from_json(args.config.read_text())
     part = cfg.spec.sm_partition
     mode = str(part.mode)
+    if str(cfg.spec.mode) == "omni-colocated":
+        _apply_omni_throttle(args, cfg)
+        return None
     if args.policy is None:
         args.policy = {"dynamic": "encode-batch-split", "static": "static"}.get(mode, "none")
     if args.static_sms is None and part.static_encode_sms is not None:
         args.static_sms = part.static_encode_sms
     if args.policy != "encode-batch-split" or args.table is not None:
         return None
-    from easerve_runtime.profiles import load_profile
+    from easerve_runtime.profiles import spec_profile
     from easerve_runtime.profiles.partition import partition_table
 
-    profile = load_profile(cfg.spec.engine.profile)
+    profile = spec_profile(cfg.spec)
     return partition_table(profile, profile.sms, epsilon=part.epsilon)
+
+
+def _apply_omni_throttle(args: argparse.Namespace, cfg: object) -> None:
+    """Omni pods throttle the shared stage (BandwidthThrottle); unset flags come from the omni
+    profile the pod mounts, so a profile the operator could not read still starts the controller."""
+    from easerve_runtime.omni.profile import load_omni_profile
+    from easerve_runtime.profiles.source import profile_path
+
+    spec = cfg.spec  # type: ignore[attr-defined]
+    if args.policy is None:
+        args.policy = "none" if str(spec.sm_partition.mode) == "none" else "bandwidth-throttle"
+    if args.policy != "bandwidth-throttle" or args.ladder:
+        return
+    omni = load_omni_profile(profile_path(spec))
+    t = omni.throttle
+    args.ladder = [int(x) for x in t["ladder"]]
+    args.s_aggr = args.s_aggr or int(t["s_aggr"])
+    args.b_sat = float(t["b_sat"]) if args.b_sat is None else args.b_sat
+    args.total_sms = args.total_sms or int(omni.total_sms)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
             if not args.ladder:
                 print("--ladder: required for --policy bandwidth-throttle", file=sys.stderr)
                 return 2
-            th = BandwidthThrottle(args.ladder, args.s_aggr or total, total, args.b_sat, gamma=args.gamma)
+            b_sat = 60.0 if args.b_sat is None else args.b_sat
+            th = BandwidthThrottle(args.ladder, args.s_aggr or total, total, b_sat, gamma=args.gamma)
             core = ControllerCore(total, throttle=th)
         elif args.policy == "static":
             if args.static_sms is None or not 0 < args.static_sms <= total:

@@ -3,7 +3,10 @@
 Runs the discrete-event twin on a seeded workload (or a JSONL trace) for one system or all four
 (``dynamo``, ``aggregated``, ``easerve-s1``, ``easerve``) and prints throughput, goodput per SLO
 tier (keyed by tier name), TTFT/TPOT mean and P99. The baselines get their best configuration
-(a sweep); ``easerve`` runs the file's configuration. Omni specs (``mode: omni-colocated``) are
+(a sweep over this very workload: an oracle no deployment has); ``easerve`` and ``easerve-s1`` run
+the file's configuration as given, untuned. The ``ratios`` of ``--system all`` therefore compare an
+untuned spec against oracle-tuned baselines, and the output says so (``ratio_basis``); tune the
+spec first (``easerve tune``) for a tuned-against-tuned comparison. Omni specs (``mode: omni-colocated``) are
 delegated to ``easerve_runtime.sim.omni.run_cli``.
 """
 
@@ -80,8 +83,14 @@ def run(args: argparse.Namespace) -> int:
             return _err(f"omni-colocated specs need easerve_runtime.sim.omni, which is not available ({exc})")
         return int(omni.run_cli(name, spec, args))
 
+    from easerve_runtime.profiles import spec_profile
     from easerve_runtime.sim import SYSTEMS, simulate
     from easerve_runtime.workload import generate, read_trace, write_trace
+
+    try:
+        profile = spec_profile(spec)  # the one way to a profile; refuses a wrong spec.model.encoder
+    except ValueError as exc:
+        return _err(f"{args.file}: {exc}")
 
     rate = args.rate if args.rate is not None else (spec.tuning.target_rate or 2.0)
     if args.requests < 1:
@@ -104,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
 
     out: dict[str, Any] = {
         "name": name,
-        "profile": spec.engine.profile,
+        "profile": profile.name,
         "rate": None if args.trace else rate,
         "requests": len(reqs),
         "seed": args.seed,
@@ -116,6 +125,7 @@ def run(args: argparse.Namespace) -> int:
         out.update(results[systems[0]].to_dict(records=args.records))
     else:
         out["systems"] = {s: r.to_dict(records=args.records) for s, r in results.items()}
+        out["ratio_basis"] = {s: _basis(r) for s, r in results.items()}
         tier = spec.slo.objective
         ours = results["easerve"].summary["goodput"].get(tier, 0.0)
         out["ratios"] = {
@@ -129,6 +139,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     _print_table(out, results, spec.slo.objective)
     return 0
+
+
+def _basis(result: Any) -> str:
+    """How a system's configuration was chosen: an oracle sweep on this workload, or the spec as given."""
+    swept = getattr(result, "swept", None) or []
+    if len(swept) > 1:
+        return f"oracle-tuned: best of {len(swept)} configurations on this very workload"
+    return "untuned: the spec's configuration as given"
 
 
 def _print_table(out: dict[str, Any], results: dict[str, Any], tier: str) -> None:
@@ -155,3 +173,6 @@ def _print_table(out: dict[str, Any], results: dict[str, Any], tier: str) -> Non
             f"goodput ratios at {tier}: "
             + ", ".join(f"{k} {v:.2f}x" if v else f"{k} n/a" for k, v in out["ratios"].items())
         )
+        for s, basis in out["ratio_basis"].items():
+            print(f"  {s}: {basis}")
+        print("  (an untuned spec against oracle-tuned baselines; `easerve tune` the spec to compare tuned with tuned)")

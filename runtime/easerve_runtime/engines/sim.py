@@ -1,6 +1,6 @@
 """SimEngine: the engine protocol driven by a measured latency profile, on a machine with no GPU.
 
-Each call awaits the latency that ``profiles.load_profile(spec.engine.profile)`` predicts for the
+Each call awaits the latency that ``profiles.spec_profile(spec)`` predicts for the
 batch (so a worker's event loop sees exactly the busy periods a GPU would impose, and queues and
 batches form as they would), then returns deterministic outputs:
 
@@ -104,10 +104,10 @@ class SimEngine:
 
         Anyres tiling follows the profile when it says, else the model name (``workload.media``).
         """
-        from easerve_runtime.profiles import load_profile
+        from easerve_runtime.profiles import spec_profile
         from easerve_runtime.topology import Hardware, plan
 
-        profile = load_profile(spec.engine.profile)
+        profile = spec_profile(spec)
         hw = Hardware(local_prefill_tp=profile.min_tp()) if spec.has_local_prefill else Hardware()
         topo = plan(spec, hw) if spec.mode == DeploymentMode.DISAGGREGATED else None
         tps = [p.tp for pod in topo.pods for p in pod.processes if p.stage == stage] if topo else []

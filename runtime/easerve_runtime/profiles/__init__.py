@@ -1,8 +1,13 @@
 """Latency profiles: what each stage costs for a model on a GPU, derived from H200 measurements.
 
-``load_profile("llava-v1.6-34b@rtx6000ada")`` returns a ``Profile``; ``list_profiles()`` lists
-the names. Data lives in ``profiles/data/`` (GPU datasheets, link assumptions, model shapes and
-the H200 measurements); ``calibration.py`` fits the efficiencies once; ``profile.py`` scales them.
+``load_profile("llava-v1.6-34b@rtx6000ada")`` returns a shipped ``Profile``; ``list_profiles()``
+lists their names; ``load_profile_file(path)`` reads a user's profile file (``schema.py``: the
+shipped files' schema, docs/profiles.md). Every consumer that has a spec calls
+``spec_profile(spec)``, which picks the source the spec names (``spec.engine.profile``,
+``profileFile`` or ``profileConfigMap``) and checks ``spec.model.encoder`` against it.
+
+Data lives in ``profiles/data/`` (GPU datasheets, link assumptions, model shapes and the H200
+measurements); ``calibration.py`` fits the efficiencies once; ``profile.py`` scales them.
 Read docs/profiles.md for every assumption.
 """
 
@@ -13,8 +18,37 @@ from functools import cache
 from easerve_runtime.profiles.calibration import calibration
 from easerve_runtime.profiles.hardware import GPU, Backbone, backbone, gpu, gpu_names, load_json
 from easerve_runtime.profiles.profile import TP_CHOICES, Profile
+from easerve_runtime.profiles.source import (
+    ProfileFileError,
+    ProfileSource,
+    build_profile,
+    load_profile_file,
+    parse_profile_file,
+    profile_errors,
+    profile_path,
+    profile_source,
+    spec_profile,
+)
 
-__all__ = ["GPU", "TP_CHOICES", "Backbone", "Profile", "list_profiles", "load_profile"]
+__all__ = [
+    "GPU",
+    "TP_CHOICES",
+    "Backbone",
+    "Profile",
+    "ProfileFileError",
+    "ProfileSource",
+    "backbone",
+    "calibration",
+    "gpu",
+    "list_profiles",
+    "load_profile",
+    "load_profile_file",
+    "parse_profile_file",
+    "profile_errors",
+    "profile_path",
+    "profile_source",
+    "spec_profile",
+]
 
 
 def list_profiles() -> list[str]:
@@ -24,27 +58,11 @@ def list_profiles() -> list[str]:
 
 @cache
 def load_profile(name: str) -> Profile:
-    """The profile ``<model>@<gpu>``; an unknown name is a ValueError that lists the known ones."""
+    """The shipped profile ``<model>@<gpu>``; an unknown name is a ValueError that lists the known ones."""
     model, sep, gpu_name = str(name).partition("@")
     data = load_json("models.json")
     if not sep or model not in data["models"] or gpu_name not in gpu_names():
         raise ValueError(f"unknown profile {name!r}; known profiles: {', '.join(list_profiles())}")
-    m = data["models"][model]
-    enc = data["encoders"][m["encoder"]]
-    calib = calibration()
-    return Profile(
-        name=f"{model}@{gpu_name}",
-        model=model,
-        gpu=gpu_name,
-        encoder=m["encoder"],
-        modality=m["modality"],
-        hf_name=m["hf"],
-        backbone=backbone(m["backbone"]),
-        hw=gpu(gpu_name),
-        tokens_per_encoder_item=int(enc["tokens_per_item"]),
-        encoder_item=enc["item"],
-        encoder_mode=enc["mode"],
-        anyres=bool(m.get("anyres", False)),
-        calib=calib,
-        _enc=calib.encoders[m["encoder"]],
-    )
+    gpus = {k: v for k, v in load_json("gpus.json").items() if not k.startswith("_")}
+    links = {k: v for k, v in load_json("links.json").items() if not k.startswith("_")}
+    return build_profile(f"{model}@{gpu_name}", data, gpus, links, where="spec.engine.profile")

@@ -141,26 +141,7 @@ def calibration() -> Calibration:
         sm_rows.append((math.log2(b), Curve(knee_pts, extrapolate=False), min(sms_rows) / ref.sms))
 
     # --- encoders ------------------------------------------------------------------------
-    encoders = {}
-    for name, tables in a["encoders"].items():
-        graph = _ms_table(tables["graph_ms"]) if "graph_ms" in tables else []
-        eager = _ms_table(tables["eager_ms"]) if "eager_ms" in tables else []
-        floor = overhead = 0.0
-        if graph and eager:
-            g = dict(graph)
-            bound = [s for b, s in eager if b in g and s > LAUNCH_BOUND * g[b]]
-            floor = sum(bound) / len(bound) if bound else 0.0
-            gmax = max(g)
-            overhead = max(0.0, dict(eager).get(gmax, g[gmax]) - g[gmax])
-            compute = graph + [(b, s - overhead) for b, s in eager if b > gmax]
-        else:
-            compute = graph or eager
-        encoders[name] = EncoderCalib(
-            compute=Curve(compute, extrapolate=True),
-            floor_s=floor,
-            overhead_s=overhead,
-            max_measured_batch=max(b for b, _ in compute),
-        )
+    encoders = {name: encoder_calib(tables) for name, tables in a["encoders"].items()}
 
     return Calibration(
         prefill_fraction=prefill_fraction,
@@ -172,6 +153,30 @@ def calibration() -> Calibration:
         kappa=kappa,
         sm_rows=tuple(sm_rows),
         encoders=encoders,
+    )
+
+
+def encoder_calib(tables: dict[str, dict[str, float]]) -> EncoderCalib:
+    """One encoder's H200 curve from its measured tables (``graph_ms`` and/or ``eager_ms``, batch ->
+    ms): GPU work vs batch, plus the eager host floor and per-call overhead when both exist. The
+    shipped encoders and a profile file's new encoder go through this same function."""
+    graph = _ms_table(tables["graph_ms"]) if tables.get("graph_ms") else []
+    eager = _ms_table(tables["eager_ms"]) if tables.get("eager_ms") else []
+    floor = overhead = 0.0
+    if graph and eager:
+        g = dict(graph)
+        bound = [s for b, s in eager if b in g and s > LAUNCH_BOUND * g[b]]
+        floor = sum(bound) / len(bound) if bound else 0.0
+        gmax = max(g)
+        overhead = max(0.0, dict(eager).get(gmax, g[gmax]) - g[gmax])
+        compute = graph + [(b, s - overhead) for b, s in eager if b > gmax]
+    else:
+        compute = graph or eager
+    return EncoderCalib(
+        compute=Curve(compute, extrapolate=True),
+        floor_s=floor,
+        overhead_s=overhead,
+        max_measured_batch=max(b for b, _ in compute),
     )
 
 

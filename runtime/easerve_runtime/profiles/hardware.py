@@ -59,9 +59,11 @@ class GPU:
         return self.hbm_gbps * 1e9
 
 
-def gpu(name: str) -> GPU:
-    gpus = load_json("gpus.json")
-    links = load_json("links.json")
+def gpu(name: str, gpus: dict[str, Any] | None = None, links: dict[str, Any] | None = None) -> GPU:
+    """The GPU ``name`` from ``gpus``/``links`` (default: the shipped ``gpus.json``/``links.json``;
+    a profile file passes the shipped entries merged with its own)."""
+    gpus = load_json("gpus.json") if gpus is None else gpus
+    links = load_json("links.json") if links is None else links
     if name not in gpus or name.startswith("_"):
         raise ValueError(f"unknown GPU {name!r}; known: {sorted(k for k in gpus if not k.startswith('_'))}")
     g = gpus[name]
@@ -185,8 +187,8 @@ class Backbone:
         return 2.0 * (self.matmul_params + self.vocab * self.hidden)
 
 
-def backbone(name: str) -> Backbone:
-    bbs = load_json("models.json")["backbones"]
+def backbone(name: str, backbones: dict[str, Any] | None = None) -> Backbone:
+    bbs = load_json("models.json")["backbones"] if backbones is None else backbones
     if name not in bbs:
         raise ValueError(f"unknown backbone {name!r}; known: {sorted(bbs)}")
     return Backbone(name=name, **bbs[name])

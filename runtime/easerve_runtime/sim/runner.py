@@ -5,7 +5,7 @@
 a plain dict whose keys match HAS's ``TrialMetrics`` (``throughput``, ``goodput``, ``ttft_mean``,
 ``tpot_mean``, ``ttft_p99``, ``tpot_p99``, ``completed``, ``cost_s``) plus the twin's extras.
 ``cost_s`` is the run's virtual duration: the device time a real trial would take.
-Stage models are cached per profile name, so hundreds of trials load a profile once.
+Stage models are cached per loaded profile, so hundreds of trials load a profile once.
 """
 
 from __future__ import annotations
@@ -15,20 +15,23 @@ import time
 from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.profiles import Profile, spec_profile
 from easerve_runtime.sim.latency import StageModel
-from easerve_runtime.sim.systems import model_for, simulate_system
+from easerve_runtime.sim.systems import simulate_system
 from easerve_runtime.workload.generate import generate
 
-_MODELS: dict[str, StageModel] = {}
+_MODELS: dict[Profile, StageModel] = {}
 _LOCK = threading.Lock()
 
 
 def cached_model(spec: EPDDeploymentSpec) -> StageModel:
-    name = spec.engine.profile
+    """One stage model per loaded profile (``spec_profile`` caches shipped profiles by name and
+    files by path and modification time, so an edited file gets a fresh model)."""
+    profile = spec_profile(spec)
     with _LOCK:
-        m = _MODELS.get(name)
+        m = _MODELS.get(profile)
         if m is None:
-            m = _MODELS[name] = model_for(spec)
+            m = _MODELS[profile] = StageModel(profile)
     return m
 
 

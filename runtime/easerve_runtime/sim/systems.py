@@ -220,11 +220,8 @@ def best_of(
 
 
 def model_for(spec: EPDDeploymentSpec) -> StageModel:
-    """The stage model of the spec's latency profile (``spec.engine.profile``)."""
-    from easerve_runtime.profiles import load_profile
+    """The stage model of the spec's latency profile (``profiles.spec_profile``: a shipped name,
+    a file or a ConfigMap; a bad one is a ``SpecError`` naming the field)."""
+    from easerve_runtime.profiles import spec_profile
 
-    try:
-        profile = load_profile(spec.engine.profile)
-    except (KeyError, FileNotFoundError, ValueError) as exc:
-        raise ValueError(f"spec.engine.profile: {exc}") from exc
-    return StageModel(profile)
+    return StageModel(spec_profile(spec))

@@ -40,7 +40,10 @@ from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.omni.engine import Job, OmniEngine
 from easerve_runtime.omni.metrics import OmniMetrics
 from easerve_runtime.omni.profile import load_omni_profile
+from easerve_runtime.omni.replay import solo_p95
+from easerve_runtime.omni.systems import make_engine
 from easerve_runtime.policies.omni import ClassInfo, SLOTable, class_for_priority, class_table
+from easerve_runtime.profiles import profile_path
 
 SLO_ENV = "EASERVE_OMNI_SLO_TABLE"
 MODALITY_TO_OUTPUT = {"image": "image", "audio": "audio"}
@@ -53,9 +56,7 @@ def load_slo(spec: EPDDeploymentSpec, path: str | None) -> SLOTable:
     if path:
         measured = SLOTable.from_json(Path(path).read_text())
         return SLOTable.from_spec(spec.omni, measured.solo_p95_s)
-    from easerve_runtime.sim.omni import solo_p95
-
-    return SLOTable.from_spec(spec.omni, solo_p95(load_omni_profile(spec.engine.profile), spec.omni))
+    return SLOTable.from_spec(spec.omni, solo_p95(load_omni_profile(profile_path(spec)), spec.omni))
 
 
 def pick_class(classes: dict[str, ClassInfo], body: dict[str, Any]) -> ClassInfo:
@@ -88,14 +89,12 @@ class OmniServer:
     def __init__(
         self, spec: EPDDeploymentSpec, slo: SLOTable, system: str = "horizon", time_scale: float = 1.0
     ):
-        from easerve_runtime.sim.omni import make_engine
-
         if spec.omni is None:
             raise ValueError("spec.omni: required in omni-colocated mode")
         if not time_scale > 0:
             raise ValueError(f"time_scale: must be > 0, got {time_scale}")
         self.spec = spec
-        self.profile = load_omni_profile(spec.engine.profile)
+        self.profile = load_omni_profile(profile_path(spec))
         self.classes = class_table(spec.omni.classes)
         self.slo = slo
         self.metrics = OmniMetrics()

@@ -1,0 +1,185 @@
+"""The schema of the profile data, and of a user's profile file.
+
+The shipped data (``data/models.json``, ``gpus.json``, ``links.json``, ``h200_anchors.json``) is
+validated against these models in the tests, so a profile file that passes them is in the same
+schema by construction. A **profile file** is one JSON document that names the profile it
+defines and adds (or replaces) entries of the shipped files, each section in that file's schema
+and named after it::
+
+    {
+      "profile": "my-vlm@h200",                      # <model>@<gpu>, resolved in the merged data
+      "models": {"backbones": {...}, "encoders": {...}, "models": {...}},   # models.json
+      "gpus": {"my-gpu": {...}},                     # gpus.json entries
+      "links": {"my-link": {...}},                   # links.json entries
+      "h200_anchors": {"encoders": {"my-enc": {"graph_ms": {"1": 8.0, "8": 54.1}}}}
+    }
+
+Every section is optional: ``{"profile": "llava-v1.6-34b@h200"}`` is the shipped profile. A new
+encoder needs its entry in ``models.encoders`` and its measured H200 curve in
+``h200_anchors.encoders`` (the only part of the anchors a file may add: the calibration of
+prefill, decode and SM sharing stays the shipped one). Errors name the file and the field.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class _Doc(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+def _drop_comments(d: Any) -> Any:
+    """``_doc`` and other ``_``-prefixed keys are comments in every data file."""
+    if isinstance(d, dict):
+        return {k: v for k, v in d.items() if not str(k).startswith("_")}
+    return d
+
+
+class BackboneDoc(_Doc):
+    """A decoder-only transformer's shape (``models.json`` → ``backbones``)."""
+
+    layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    ffn: int = Field(gt=0)
+    vocab: int = Field(gt=0)
+    tied_embeddings: bool = False
+    gated_mlp: bool = True
+    sliding_window: int | None = Field(default=None, gt=0)
+    global_every: int | None = Field(default=None, gt=0)
+
+
+class EncoderDoc(_Doc):
+    """An encoder (``models.json`` → ``encoders``): what one item is and how many LLM tokens it
+    yields; ``mode`` says which H200 table the curve follows (eager or CUDA graphs)."""
+
+    params: int = Field(gt=0)
+    tokens_per_item: int = Field(gt=0)
+    item: str = Field(min_length=1)
+    mode: Literal["eager", "graph"]
+
+
+class ModelDoc(_Doc):
+    """A served model (``models.json`` → ``models``): its encoder and backbone by name."""
+
+    hf: str = Field(min_length=1)
+    modality: Literal["image", "video", "audio"]
+    encoder: str = Field(min_length=1)
+    backbone: str = Field(min_length=1)
+    anyres: bool = False
+
+
+class ModelsDoc(_Doc):
+    """``models.json``."""
+
+    backbones: dict[str, BackboneDoc] = Field(default_factory=dict)
+    encoders: dict[str, EncoderDoc] = Field(default_factory=dict)
+    models: dict[str, ModelDoc] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _comments(cls, d: Any) -> Any:
+        return _drop_comments(d)
+
+
+class GPUDoc(_Doc):
+    """One ``gpus.json`` entry: datasheet peaks and the GPU-to-GPU link."""
+
+    label: str = Field(min_length=1)
+    sms: int = Field(gt=0)
+    bf16_tflops: float = Field(gt=0)
+    hbm_gbps: float = Field(gt=0)
+    memory_bytes: int = Field(gt=0)
+    link: str = Field(min_length=1)
+    link_gbps: float = Field(gt=0)
+    sustained_clock_fraction: float = Field(default=1.0, gt=0, le=1)
+
+
+class LinkDoc(_Doc):
+    """One ``links.json`` entry: achievable share of the spec bandwidth and fixed costs."""
+
+    efficiency: float = Field(gt=0, le=1)
+    allreduce_latency_us: float = Field(ge=0)
+    transfer_setup_ms: float = Field(ge=0)
+
+
+def _batch_table(v: dict[str, float] | None, what: str) -> dict[str, float] | None:
+    if v is None:
+        return v
+    for k, ms in v.items():
+        if not str(k).isdigit() or int(k) < 1:
+            raise ValueError(f"{what}: batch sizes are positive integers, got {k!r}")
+        if not ms > 0:
+            raise ValueError(f"{what}: latencies are positive milliseconds, got {ms!r} at batch {k}")
+    if len(v) < 2:
+        raise ValueError(f"{what}: needs at least two batch sizes (the curve continues the last slope)")
+    return v
+
+
+class EncoderAnchorsDoc(_Doc):
+    """One encoder's measured H200 latencies (ms) per batch (``h200_anchors.json`` → ``encoders``)."""
+
+    graph_ms: dict[str, float] | None = None
+    eager_ms: dict[str, float] | None = None
+
+    @field_validator("graph_ms")
+    @classmethod
+    def _graph(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return _batch_table(v, "graph_ms")
+
+    @field_validator("eager_ms")
+    @classmethod
+    def _eager(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        return _batch_table(v, "eager_ms")
+
+    @model_validator(mode="after")
+    def _one(self) -> EncoderAnchorsDoc:
+        if not self.graph_ms and not self.eager_ms:
+            raise ValueError("needs graph_ms or eager_ms (measured H200 latency per batch size)")
+        return self
+
+
+class AnchorsOverlayDoc(_Doc):
+    """What a profile file may add to ``h200_anchors.json``: encoder curves only."""
+
+    encoders: dict[str, EncoderAnchorsDoc] = Field(default_factory=dict)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _comments(cls, d: Any) -> Any:
+        return _drop_comments(d)
+
+
+class ProfileFileDoc(_Doc):
+    """A user's profile file (docs/profiles.md, "Your own profile")."""
+
+    profile: str = Field(pattern=r"^[^@\s]+@[^@\s]+$", description="<model>@<gpu> this file defines.")
+    models: ModelsDoc = Field(default_factory=ModelsDoc)
+    gpus: dict[str, GPUDoc] = Field(default_factory=dict)
+    links: dict[str, LinkDoc] = Field(default_factory=dict)
+    h200_anchors: AnchorsOverlayDoc = Field(default_factory=AnchorsOverlayDoc)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _comments(cls, d: Any) -> Any:
+        d = _drop_comments(d)
+        if isinstance(d, dict):
+            for k in ("gpus", "links"):
+                if k in d:
+                    d[k] = _drop_comments(d[k])
+        return d
+
+
+def validation_lines(exc: ValidationError) -> list[str]:
+    """``section.key.field: message`` per error (pydantic's own wording after the path)."""
+    out = []
+    for e in exc.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(document)"
+        msg = "unknown field" if e["type"] == "extra_forbid" or e["type"] == "extra_forbidden" else e["msg"]
+        out.append(f"{loc}: {msg}")
+    return out

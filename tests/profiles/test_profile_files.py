@@ -1,0 +1,337 @@
+"""Open profiles: a user's profile file (path or ConfigMap) in the shipped schema, one loader for
+every consumer, the encoder check, the "exactly one source" rule and the rendered mount."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from easerve_operator.cli import main
+from easerve_operator.render import render_children
+from easerve_runtime.api import (
+    PROFILE_DIR,
+    PROFILE_DIR_ENV,
+    PROFILE_KEY,
+    SpecError,
+    load_manifest,
+    parse_spec,
+)
+from easerve_runtime.profiles import (
+    ProfileFileError,
+    load_profile,
+    load_profile_file,
+    parse_profile_file,
+    profile_errors,
+    spec_profile,
+)
+from easerve_runtime.profiles.schema import (
+    EncoderAnchorsDoc,
+    GPUDoc,
+    LinkDoc,
+    ModelsDoc,
+)
+from pydantic import ValidationError
+
+REPO = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).parent
+EXAMPLE = HERE / "data" / "llava-graphs@h100-sxm.json"
+GOLDEN = HERE / "golden"
+UID = "11111111-2222-3333-4444-555555555555"
+
+
+def _data(name: str) -> dict[str, Any]:
+    text = resources.files("easerve_runtime.profiles").joinpath("data").joinpath(name).read_text()
+    return dict(json.loads(text))
+
+
+def _spec(**engine: Any) -> dict[str, Any]:
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    d = spec.wire()
+    d["engine"] = {"backend": "sim", **engine}
+    return d
+
+
+# ------------------------------------------------------------------------------ the schema
+def test_shipped_data_follows_the_schema_a_file_uses() -> None:
+    """The file schema IS the shipped one: every shipped entry validates against it."""
+    models = ModelsDoc.model_validate(_data("models.json"))
+    assert set(models.models) == {"llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b"}
+    gpus = {k: GPUDoc.model_validate(v) for k, v in _data("gpus.json").items() if not k.startswith("_")}
+    links = {k: LinkDoc.model_validate(v) for k, v in _data("links.json").items() if not k.startswith("_")}
+    assert {g.link for g in gpus.values()} <= set(links)
+    for name, tables in _data("h200_anchors.json")["encoders"].items():
+        assert name in models.encoders
+        EncoderAnchorsDoc.model_validate(tables)
+
+
+def test_a_file_that_names_a_shipped_profile_is_that_profile() -> None:
+    shipped = load_profile("ultravox-v0.6-27b@a100-80gb")
+    own = parse_profile_file({"profile": "ultravox-v0.6-27b@a100-80gb"})
+    assert own.encoder == shipped.encoder and own.backbone == shipped.backbone and own.hw == shipped.hw
+    for b in (1, 4, 16):
+        assert own.encode_s(b) == shipped.encode_s(b)
+    assert own.prefill_s(2048, tp=2) == shipped.prefill_s(2048, tp=2)
+    assert own.decode_step_s(32, 32 * 2048) == shipped.decode_step_s(32, 32 * 2048)
+
+
+def test_new_encoder_and_new_gpu_from_a_file() -> None:
+    """The example file adds an encoder (CLIP under CUDA graphs) and a GPU (H100 SXM)."""
+    p = load_profile_file(EXAMPLE)
+    doc = json.loads(EXAMPLE.read_text())
+    graph = doc["h200_anchors"]["encoders"]["clip-vit-l-336-graphs"]["graph_ms"]
+    gpu = doc["gpus"]["h100-sxm"]
+    assert p.name == "llava-v1.6-34b-graphs@h100-sxm" and p.encoder == "clip-vit-l-336-graphs"
+    assert p.sms == gpu["sms"] and p.gpu_memory_bytes == gpu["memory_bytes"]
+    ref = load_profile("llava-v1.6-34b@h200")
+    flops_ratio = ref.hw.flops_per_s / p.hw.flops_per_s
+    for b, ms in graph.items():  # graph-only: the curve itself, scaled by the FLOP ratio, no host floor
+        assert p.encode_s(int(b)) * 1e3 == pytest.approx(ms * flops_ratio, rel=1e-9)
+    assert p.encode_s(1) < ref.encode_s(1)  # the shipped eager CLIP pays its launch-bound floor
+    # same backbone and datasheet FLOPs as the H200: prefill is the same compute; decode is
+    # bandwidth-bound, so the lower HBM bandwidth of the H100 makes it slower
+    assert p.prefill_s(4096) == pytest.approx(ref.prefill_s(4096), rel=1e-9)
+    assert p.decode_step_s(8, 8 * 2048) > ref.decode_step_s(8, 8 * 2048)
+
+
+def _write(tmp_path: Path, doc: Any, name: str = "p.json") -> Path:
+    f = tmp_path / name
+    f.write_text(json.dumps(doc) if not isinstance(doc, str) else doc)
+    return f
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d["models"]["encoders"]["clip-vit-l-336-graphs"].pop("tokens_per_item"),
+         r"models\.encoders\.clip-vit-l-336-graphs\.tokens_per_item: Field required"),
+        (lambda d: d["gpus"]["h100-sxm"].update(sms=0),
+         r"gpus\.h100-sxm\.sms: Input should be greater than 0"),
+        (lambda d: d["h200_anchors"]["encoders"]["clip-vit-l-336-graphs"].update(graph_ms={"1": 2.0}),
+         r"graph_ms: needs at least two batch sizes"),
+        (lambda d: d["h200_anchors"]["encoders"]["clip-vit-l-336-graphs"].update(graph_ms={"x": 1, "2": 2}),
+         r"graph_ms: batch sizes are positive integers"),
+        (lambda d: d["h200_anchors"].pop("encoders"),
+         r"h200_anchors\.encoders\.clip-vit-l-336-graphs: the encoder has no measured H200 curve"),
+        (lambda d: d["models"]["models"]["llava-v1.6-34b-graphs"].update(encoder="siglip"),
+         r"models\.models\.llava-v1\.6-34b-graphs\.encoder: 'siglip' is not in models\.encoders"),
+        (lambda d: d["gpus"]["h100-sxm"].update(link="infiniband"),
+         r"gpus\.h100-sxm\.link: 'infiniband' is not in links"),
+        (lambda d: d.update(profile="llava-v1.6-34b-graphs@b200"), r"unknown profile 'llava-v1\.6-34b-graphs@b200'"),
+        (lambda d: d.update(backbones={}), r"backbones: unknown field"),
+        (lambda d: d["h200_anchors"].update(backbones={}), r"h200_anchors\.backbones: unknown field"),
+    ],
+)
+def test_a_bad_file_is_refused_naming_the_file_and_the_field(tmp_path: Path, mutate: Any, expected: str) -> None:
+    doc = json.loads(EXAMPLE.read_text())
+    mutate(doc)
+    f = _write(tmp_path, doc)
+    with pytest.raises(ProfileFileError, match=expected) as info:
+        load_profile_file(f)
+    assert str(f) in str(info.value)
+
+
+def test_unreadable_and_non_json_files(tmp_path: Path) -> None:
+    with pytest.raises(ProfileFileError, match="cannot read"):
+        load_profile_file(tmp_path / "missing.json")
+    with pytest.raises(ProfileFileError, match="not JSON"):
+        load_profile_file(_write(tmp_path, "{not json"))
+
+
+def test_an_edited_file_is_read_again(tmp_path: Path) -> None:
+    f = _write(tmp_path, {"profile": "llava-v1.6-34b@h200"})
+    assert load_profile_file(f).gpu == "h200"
+    f.write_text(json.dumps({"profile": "llava-v1.6-34b@a100-80gb"}))
+    assert load_profile_file(f).gpu == "a100-80gb"
+
+
+# ------------------------------------------------------------------------------ the spec
+def test_exactly_one_profile_source() -> None:
+    names = r"spec\.engine\.profile .*spec\.engine\.profileFile .*spec\.engine\.profileConfigMap"
+    with pytest.raises(ValidationError, match=names + r".*got none"):
+        parse_spec(_spec())
+    with pytest.raises(ValidationError, match=r"got spec\.engine\.profile, spec\.engine\.profileFile"):
+        parse_spec(_spec(profile="llava-v1.6-34b@h200", profileFile="/x.json"))
+    for one in ({"profile": "llava-v1.6-34b@h200"}, {"profileFile": "/x.json"}, {"profileConfigMap": "my-profile"}):
+        assert parse_spec(_spec(**one)).engine.profile_config_map == one.get("profileConfigMap")
+    with pytest.raises(ValidationError, match="profileConfigMap"):
+        parse_spec(_spec(profileConfigMap="Not_A_Name"))
+
+
+def test_encoder_mismatch_is_refused_naming_both() -> None:
+    """The bug of issue 16: whisper-medium with a Whisper-large-v3 profile ran on the wrong costs."""
+    _, spec = load_manifest(REPO / "examples" / "ultravox-v0.6-27b.yaml")
+    bad = spec.model_copy(update={"model": spec.model.model_copy(update={"encoder": "whisper-medium"})})
+    with pytest.raises(SpecError) as info:
+        spec_profile(bad)
+    assert info.value.path == "spec.model.encoder"
+    assert "'whisper-medium'" in info.value.message and "'whisper-large-v3'" in info.value.message
+    assert [e.path for e in profile_errors(bad)] == ["spec.model.encoder"]
+    assert profile_errors(spec) == [] and spec_profile(spec).encoder == "whisper-large-v3"
+
+
+def test_encoder_must_match_a_files_new_encoder(tmp_path: Path) -> None:
+    spec = parse_spec(_spec(profileFile=str(EXAMPLE)))  # the manifest says clip-vit-l-336
+    with pytest.raises(SpecError, match=r"'clip-vit-l-336'.*'clip-vit-l-336-graphs'"):
+        spec_profile(spec)
+    d = _spec(profileFile=str(EXAMPLE))
+    d["model"]["encoder"] = "clip-vit-l-336-graphs"
+    assert spec_profile(parse_spec(d)).name == "llava-v1.6-34b-graphs@h100-sxm"
+
+
+def test_a_bad_file_in_a_spec_names_the_spec_field(tmp_path: Path) -> None:
+    spec = parse_spec(_spec(profileFile=str(tmp_path / "nope.json")))
+    with pytest.raises(SpecError) as info:
+        spec_profile(spec)
+    assert info.value.path == "spec.engine.profileFile" and "nope.json" in info.value.message
+    assert profile_errors(spec) == []  # not readable here: the workers check it when they start
+
+
+def test_config_map_source_reads_the_mounted_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    d = _spec(profileConfigMap="llava-graphs")
+    d["model"]["encoder"] = "clip-vit-l-336-graphs"
+    spec = parse_spec(d)
+    monkeypatch.setenv(PROFILE_DIR_ENV, str(tmp_path))
+    with pytest.raises(SpecError, match=rf"spec\.engine\.profileConfigMap: ConfigMap 'llava-graphs'.*{PROFILE_KEY}"):
+        spec_profile(spec)
+    shutil.copy(EXAMPLE, tmp_path / PROFILE_KEY)
+    assert spec_profile(spec).encoder == "clip-vit-l-336-graphs"
+    monkeypatch.delenv(PROFILE_DIR_ENV)
+    with pytest.raises(SpecError, match=re.escape(f"{PROFILE_DIR}/{PROFILE_KEY}")):
+        spec_profile(spec)
+
+
+# ------------------------------------------------------------------------------ every consumer
+def _file_spec() -> Any:
+    d = _spec(profileFile=str(EXAMPLE))
+    d["model"]["encoder"] = "clip-vit-l-336-graphs"
+    return parse_spec(d)
+
+
+def test_every_consumer_loads_the_file(tmp_path: Path) -> None:
+    import argparse
+
+    from easerve_operator.tuning.runners.sim import SimStageProfiler
+    from easerve_runtime.api import RuntimeConfig
+    from easerve_runtime.cli.partition_controller import _apply_config
+    from easerve_runtime.engines.sim import SimEngine
+    from easerve_runtime.sim import model_for, simulate
+    from easerve_runtime.sim.runner import cached_model, run_trial
+    from easerve_runtime.workload import generate
+
+    spec = _file_spec()
+    want = load_profile_file(EXAMPLE)
+    assert SimEngine.for_spec(spec).profile is want
+    assert model_for(spec).profile is want and cached_model(spec).profile is want
+    assert SimStageProfiler(spec)._inner.model.profile is want
+    res = simulate(spec, generate(spec, 1.0, 20, seed=0))
+    assert res.summary["completed"] == 20
+    assert run_trial(spec, 1.0, 20, 0)["completed"] == 20
+    cfg = tmp_path / "config.json"
+    cfg.write_text(RuntimeConfig(name="x", dynamo_namespace="x", spec=spec).to_json())
+    table = _apply_config(argparse.Namespace(config=cfg, policy=None, static_sms=None, table=None))
+    assert table is not None and table.total_sms == want.sms  # type: ignore[attr-defined]
+
+
+def test_easerve_sim_and_render_refuse_a_wrong_encoder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "ultravox-v0.6-27b.yaml").read_text())
+    doc["spec"]["model"]["encoder"] = "whisper-medium"
+    f = tmp_path / "bad.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    for argv in (["sim", "-f", str(f), "--requests", "5"], ["render", "-f", str(f)]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "spec.model.encoder" in err and "whisper-medium" in err and "whisper-large-v3" in err
+
+
+def test_easerve_sim_runs_a_profile_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    doc = yaml.safe_load((REPO / "examples" / "llava-v1.6-34b.yaml").read_text())
+    doc["spec"]["model"]["encoder"] = "clip-vit-l-336-graphs"
+    doc["spec"]["engine"] = {"backend": "sim", "profileFile": str(EXAMPLE)}
+    f = tmp_path / "own.yaml"
+    f.write_text(yaml.safe_dump(doc))
+    assert main(["sim", "-f", str(f), "--requests", "30", "--rate", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["profile"] == "llava-v1.6-34b-graphs@h100-sxm" and out["completed"] == 30
+
+
+def test_omni_profile_file(tmp_path: Path) -> None:
+    from easerve_runtime.sim.omni import run
+
+    _, spec = load_manifest(REPO / "examples" / "qwen2.5-omni.yaml")
+    src = resources.files("easerve_runtime.omni").joinpath("data").joinpath(f"{spec.engine.profile}.json")
+    f = tmp_path / "omni.json"
+    f.write_text(src.read_text())
+    own = spec.model_copy(update={"engine": spec.engine.model_copy(update={"profile": None, "profile_file": str(f)})})
+    a = run(spec, "horizon", 1.0, 40, 0)
+    b = run(own, "horizon", 1.0, 40, 0)
+    assert a["slo_attainment"] == b["slo_attainment"] and a["per_class"] == b["per_class"]
+
+
+# ------------------------------------------------------------------------------ the mount
+def _render_with_config_map(example: str) -> list[dict[str, Any]]:
+    name, spec = load_manifest(REPO / "examples" / f"{example}.yaml")
+    engine = {**spec.engine.wire(), "profileConfigMap": f"{name}-profile"}
+    engine.pop("profile")
+    spec = parse_spec({**spec.wire(), "engine": engine})
+    return render_children(name, "serving", UID, spec)
+
+
+@pytest.mark.parametrize("example", ["llava-v1.6-34b", "qwen2.5-omni"])
+def test_config_map_is_mounted_in_every_container(example: str) -> None:
+    objs = _render_with_config_map(example)
+    deployments = [o for o in objs if o["kind"] == "Deployment"]
+    assert deployments
+    for dep in deployments:
+        pod = dep["spec"]["template"]["spec"]
+        vols = [v for v in pod["volumes"] if v["name"] == "profile"]
+        assert vols == [
+            {
+                "name": "profile",
+                "configMap": {"name": f"{example}-profile", "items": [{"key": PROFILE_KEY, "path": PROFILE_KEY}]},
+            }
+        ]
+        for c in pod["containers"]:
+            assert {"name": "profile", "mountPath": PROFILE_DIR, "readOnly": True} in c["volumeMounts"]
+    # nothing is added when the spec names a shipped profile
+    name, spec = load_manifest(REPO / "examples" / f"{example}.yaml")
+    for o in render_children(name, "serving", UID, spec):
+        if o["kind"] == "Deployment":
+            assert all(v["name"] != "profile" for v in o["spec"]["template"]["spec"]["volumes"])
+
+
+def test_config_map_render_golden() -> None:
+    """EASERVE_UPDATE_GOLDEN=1 rewrites it; the mount is the only difference from the example's golden."""
+    import os
+
+    text = yaml.safe_dump_all(_render_with_config_map("llava-v1.6-34b"), sort_keys=False, width=120)
+    golden = GOLDEN / "llava-v1.6-34b-profile-configmap.yaml"
+    if os.environ.get("EASERVE_UPDATE_GOLDEN") == "1":
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(text)
+    assert text == golden.read_text()
+
+
+def test_docs_example_is_the_tested_file() -> None:
+    """docs/profiles.md shows the example profile file; it must be the one these tests load."""
+    md = (REPO / "docs" / "profiles.md").read_text()
+    blocks = re.findall(r"```json\n(.*?)```", md, flags=re.S)
+    assert any(json.loads(b) == json.loads(EXAMPLE.read_text()) for b in blocks)
+
+
+def test_admission_and_reconcile_refuse_a_wrong_encoder() -> None:
+    """The webhook and the reconciler share ``_parse``: a shipped profile's encoder is checked there."""
+    from easerve_operator.reconcile.handlers import _parse
+
+    _, spec = load_manifest(REPO / "examples" / "ultravox-v0.6-27b.yaml")
+    good = spec.wire()
+    assert _parse(good)[0] is not None
+    bad = {**good, "model": {**good["model"], "encoder": "whisper-medium"}}
+    parsed, errors = _parse(bad)
+    assert parsed is None and len(errors) == 1
+    assert errors[0].startswith("spec.model.encoder: ") and "whisper-large-v3" in errors[0]
