@@ -13,7 +13,8 @@ from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.policies.batcher import Batcher, make_batcher
-from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding
+from easerve_runtime.policies.post_encode import PostEncodeRouter
+from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
@@ -51,11 +52,20 @@ def run_pipeline(
     a = spec.allocation
     loop = EventLoop()
     decoders = [
-        DecodeWorker(loop, model, a.decode.tensor_parallel, f"decode-{i}") for i in range(a.decode.replicas)
+        DecodeWorker(
+            loop,
+            model,
+            a.decode.tensor_parallel,
+            f"decode-{i}",
+            spec.decode.max_sequences,
+            spec.decode.kv_memory_fraction,
+        )
+        for i in range(a.decode.replicas)
     ]
+    budget = spec.prefill.max_batch_tokens
     handoff = KVHandoff(loop, model, decoders)
     remote = [
-        PrefillWorker(loop, model, a.prefill.tensor_parallel, f"prefill-{i}", handoff)
+        PrefillWorker(loop, model, a.prefill.tensor_parallel, f"prefill-{i}", handoff, token_budget=budget)
         for i in range(a.prefill.replicas)
     ]
     s = float(spec.offload.ratio)
@@ -81,13 +91,21 @@ def run_pipeline(
         if i < hosts:
             if i % local_tp == 0:
                 locals_.append(
-                    PrefillWorker(loop, model, local_tp, f"local-{i // local_tp}", handoff, local=True)
+                    PrefillWorker(
+                        loop,
+                        model,
+                        local_tp,
+                        f"local-{i // local_tp}",
+                        handoff,
+                        local=True,
+                        token_budget=budget,
+                    )
                 )
             local = locals_[-1]
         batcher: Batcher[Any] = (
             batcher_factory() if batcher_factory is not None else make_batcher(spec.encode)
         )
-        router = DeficitRouter(s) if local is not None else None
+        router: PostEncodeRouter[str] = PostEncodeRouter(s if local is not None else 1.0, local is not None)
         encoders.append(
             EncodeWorker(
                 loop,
@@ -100,6 +118,7 @@ def run_pipeline(
                 local,
                 reasons,
                 member=i % local_tp,
+                send_window=spec.encode.send_window,
             )
         )
 
