@@ -203,7 +203,11 @@ def test_live_workers_and_twin_hold_the_same_objects_from_the_same_fields() -> N
             "encode.sendWindow": 3,
         },
     )
-    assert (PrefillSpec().max_batch_tokens, DecodeSpec().max_sequences, EncodeSpec().send_window) == (8192, 256, 8)
+    assert (PrefillSpec().max_batch_tokens, DecodeSpec().max_sequences, EncodeSpec().send_window) == (
+        8192,
+        256,
+        8,
+    )
     m = Metrics()
     engine = SimEngine.for_spec(spec, "decode")
 
@@ -236,3 +240,27 @@ def test_live_workers_and_twin_hold_the_same_objects_from_the_same_fields() -> N
     assert small["prefill_batches"] > default["prefill_batches"]
     shares = ShareModel(spec, model, colocated=True)
     assert shares.policy.kind is PolicyKind.ENCODE_BATCH_SPLIT
+
+
+def test_partition_controller_runs_every_spec_from_config_alone(tmp_path: Path) -> None:
+    """`--config` is enough for any deployment: the omni pod's controller (rendered with
+    `--policy bandwidth-throttle` and no `--ladder`) used to exit 2; it now takes the throttle
+    from the omni profile through the same factory as the omni engine."""
+    import argparse
+
+    from easerve_runtime.api import RuntimeConfig
+    from easerve_runtime.cli import partition_controller as cli
+    from easerve_runtime.partition.record import ControlRecordFile, control_path
+
+    for name, extra, want in (
+        ("qwen2.5-omni", ["--policy", "bandwidth-throttle"], "BANDWIDTH_THROTTLE"),
+        ("llava-v1.6-34b", [], "ENCODE_BATCH_SPLIT"),
+    ):
+        _, spec = load_manifest(EXAMPLES[name])
+        cfg = tmp_path / f"{name}.json"
+        cfg.write_text(RuntimeConfig(name=name, dynamo_namespace="t", spec=spec).to_json())
+        p = argparse.ArgumentParser()
+        cli.add_arguments(p)
+        args = ["--config", str(cfg), "--gpu", "3", "--shm-dir", str(tmp_path), "--duration", "0.05"]
+        assert cli.run(p.parse_args([*args, *extra])) == 0, name
+        assert ControlRecordFile(control_path(3, tmp_path)).read().policy.name == want
