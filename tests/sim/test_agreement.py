@@ -12,20 +12,31 @@ P99 TTFT error on video was found: the live prefill worker batched up to 16384 t
 8192; both now call the same ``PrefillBatcher`` with ``spec.prefill.maxBatchTokens``
 (docs/twin.md, "Agreement near saturation").
 
-The points (examples with s = 1 and no SM partitioning: the local launcher does not wire the
+The easy point (image, 1 req/s, prefill ~43 % busy) holds throughput and P99 only: its TTFT is
+~1 s, of which the live processes' own host cost (20-100 ms on a loaded 2-core machine) is
+already 2-10 %. It replays 100 requests, not the 30 it used to: the P99 of 30 is the single
+slowest request, a burst member that lands in one prefill batch or the next on a few ms of host
+timing (one run here gave -13.9 %, the next +1 %).
+
+The saturated points (examples with s = 1 and no SM partitioning: the local launcher does not wire the
 partition controller, so its local prefill would run on the whole GPU while the twin applies the
 split; comparing that would test the wiring, not the twin):
 
 - image (llava example) at 1.9 req/s and video (qwen2.5-vl example) at 1.2 req/s, the issue's
   point: prefill is the bottleneck;
 - audio (ultravox example): its default workload (a 12 s clip, 90 media tokens, a 128-token
-  prompt) never loads prefill or encode, and its TTFT (~0.13 s) is below what a 2-core host adds
-  per request (20-50 ms measured at low load), so the point uses 2048-token text prompts with the
-  clip (spoken question over a long document): prefill is then the bottleneck at 1.9 req/s.
+  prompt) never loads prefill or encode (decode, busy whenever a sequence runs, is what limits
+  it), and its TTFT (~0.13 s) is below what the live processes on a 2-core host add per request
+  (20-50 ms at low load, 50-100 ms under load), so the point uses 4096-token text prompts with the
+  clip (a spoken question about a long document): prefill is then the bottleneck at 0.95 req/s.
+  With 2048-token prompts at 1.9 req/s (prefill 88 % busy) mean TTFT came out +11.6 %: twice the
+  relayed decode tokens per second on a loaded host, and half the prefill batch time against
+  which the host's per-batch delays count (docs/twin.md).
 
 Real time (no speed-up: compressing time would multiply the host's per-token cost, which is not
-what the twin models). Each saturated point takes 2-3 minutes of wall time; the whole module about
-9 minutes on 2 cores.
+what the twin models). Each saturated point takes 2-4 minutes of wall time (the trace's length);
+the whole module about 10 minutes on 2 cores. Run one point with
+``pytest tests/sim/test_agreement.py -k video -s``.
 """
 
 from __future__ import annotations
@@ -63,10 +74,10 @@ class Point:
 
 
 POINTS = {
-    "image-easy": Point("llava-v1.6-34b", 1.0, 30, 11, saturated=False),
+    "image-easy": Point("llava-v1.6-34b", 1.0, 100, 11, saturated=False),
     "image-saturated": Point("llava-v1.6-34b", 1.9, 200, 4242),
     "video-saturated": Point("qwen2.5-vl-32b", 1.2, 200, 4242),
-    "audio-saturated": Point("ultravox-v0.6-27b", 1.9, 200, 4242, prompt_mean=2048),
+    "audio-saturated": Point("ultravox-v0.6-27b", 0.95, 200, 4242, prompt_mean=4096),
 }
 
 

@@ -1,5 +1,9 @@
 """SM shares on an encode GPU that also hosts a local prefill worker, per ``spec.smPartition``.
 
+Which policy runs is not decided here: ``policies.sm_policy.partition_policy`` (the same factory
+the pod's partition controller and the omni engine use) answers it; this module turns its answer
+into the twin's (share, dilation) pairs.
+
 - ``dynamic``: the real ``EncodeBatchSplit`` policy over a ``PartitionTable`` built from the
   profile's encode latency at each SM level of the default ladder (the same numbers the runtime's
   ``easerve profile-partition`` would measure on the sim engine). Encode gets the smallest level
