@@ -264,3 +264,46 @@ def test_partition_controller_runs_every_spec_from_config_alone(tmp_path: Path) 
         args = ["--config", str(cfg), "--gpu", "3", "--shm-dir", str(tmp_path), "--duration", "0.05"]
         assert cli.run(p.parse_args([*args, *extra])) == 0, name
         assert ControlRecordFile(control_path(3, tmp_path)).read().policy.name == want
+
+
+def test_live_decode_worker_waits_for_kv_memory_and_finishes_everything() -> None:
+    """The live worker admits by the shared policy: with room for two sequences' KV at a time it
+    never runs three, the others wait (no OOM, no error) and every request completes."""
+    import asyncio
+    from collections.abc import Sequence
+
+    from easerve_runtime.engines.base import DecodeSequence
+    from easerve_runtime.metrics import Metrics
+    from easerve_runtime.workers.decode import DecodeWorker
+
+    class Engine:
+        def __init__(self) -> None:
+            self.batches: list[int] = []
+
+        async def receive_kv(self, kv_bytes: int) -> None:
+            return None
+
+        async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
+            self.batches.append(len(batch))
+            await asyncio.sleep(0)
+            return [7] * len(batch)
+
+    per_token = 10.0
+    eng = Engine()
+    # each sequence needs (context 5 + 5 tokens) * 10 = 100 bytes at full length: two fit in 250
+    w = DecodeWorker(eng, Metrics(), admission=DecodeAdmission(64, 250.0), kv_bytes=lambda t: t * per_token)
+
+    async def one(i: int) -> list[int]:
+        req = {"id": f"r{i}", "context_tokens": 5, "max_tokens": 5, "first_token": 1}
+        return [item["token"] async for item in w.generate(req)]
+
+    async def main() -> list[list[int]]:
+        loop_task = asyncio.create_task(w.run())
+        try:
+            return await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), 10)
+        finally:
+            loop_task.cancel()
+
+    outs = asyncio.run(main())
+    assert all(len(o) == 4 for o in outs)  # max_tokens 5, the first came from prefill
+    assert max(eng.batches) == 2 and w.admission.running == 0 and w.admission.reserved == 0.0

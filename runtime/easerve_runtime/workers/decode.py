@@ -58,7 +58,10 @@ class DecodeWorker:
         the twin admits by."""
         d = spec.decode
         profile = getattr(engine, "profile", None)
-        if profile is None:
+        if not (
+            callable(getattr(profile, "kv_budget_bytes", None))
+            and callable(getattr(profile, "kv_bytes", None))
+        ):
             from easerve_runtime.profiles import load_profile
 
             profile = load_profile(spec.engine.profile)
