@@ -218,7 +218,7 @@ def test_every_consumer_loads_the_file(tmp_path: Path) -> None:
 
     from easerve_operator.tuning.runners.sim import SimStageProfiler
     from easerve_runtime.api import RuntimeConfig
-    from easerve_runtime.cli.partition_controller import _apply_config
+    from easerve_runtime.cli.partition_controller import _spec_policy
     from easerve_runtime.engines.sim import SimEngine
     from easerve_runtime.sim import model_for, simulate
     from easerve_runtime.sim.runner import cached_model, run_trial
@@ -234,8 +234,9 @@ def test_every_consumer_loads_the_file(tmp_path: Path) -> None:
     assert run_trial(spec, 1.0, 20, 0)["completed"] == 20
     cfg = tmp_path / "config.json"
     cfg.write_text(RuntimeConfig(name="x", dynamo_namespace="x", spec=spec).to_json())
-    table = _apply_config(argparse.Namespace(config=cfg, policy=None, static_sms=None, table=None))
-    assert table is not None and table.total_sms == want.sms  # type: ignore[attr-defined]
+    args = argparse.Namespace(config=cfg, policy=None, static_sms=None, table=None, ladder=None, total_sms=None, gpu=0)
+    policy = _spec_policy(args)
+    assert policy is not None and policy.total_sms == want.sms
 
 
 def test_easerve_sim_and_render_refuse_a_wrong_encoder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

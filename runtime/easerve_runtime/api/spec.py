@@ -177,6 +177,40 @@ class EncodeSpec(Model):
     timeout_ms: float = Field(
         default=10.0, gt=0, le=10_000, description="Wait of the fixed-timeout policy after the first arrival."
     )
+    send_window: int = Field(
+        default=8,
+        ge=1,
+        le=1024,
+        description="Embedding envelopes in flight per encode worker (sent, not yet acknowledged by prefill) "
+        "before the encoder waits: backpressure from a slow prefill pool.",
+    )
+
+
+class PrefillSpec(Model):
+    """How a prefill worker (remote or local) batches the requests waiting for it."""
+
+    max_batch_tokens: int = Field(
+        default=8192,
+        ge=1,
+        le=1_048_576,
+        description="Most prompt tokens in one prefill batch (whole requests, first come first served; a "
+        "longer request still runs alone). Like vLLM's max_num_batched_tokens.",
+    )
+
+
+class DecodeSpec(Model):
+    """How a decode worker admits sequences into its running batch."""
+
+    max_sequences: int = Field(
+        default=256, ge=1, le=65_536, description="Most sequences in one decode batch (vLLM's max_num_seqs)."
+    )
+    kv_memory_fraction: float = Field(
+        default=0.9,
+        gt=0,
+        le=1,
+        description="Fraction of each GPU's memory the engine may use for weights, activations and KV cache "
+        "(vLLM's gpu_memory_utilization); a sequence joins only when its KV cache at full length fits.",
+    )
 
 
 class OffloadSpec(Model):
@@ -290,6 +324,8 @@ class EPDDeploymentSpec(Model):
     )
     allocation: Allocation = Field(default_factory=Allocation, description="GPUs across the E/P/D pools.")
     encode: EncodeSpec = Field(default_factory=EncodeSpec, description="The encode micro-batcher.")
+    prefill: PrefillSpec = Field(default_factory=PrefillSpec, description="Prefill batching.")
+    decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decode admission.")
     offload: OffloadSpec = Field(default_factory=OffloadSpec, description="Partial prefill offload.")
     sm_partition: SMPartitionSpec = Field(
         default_factory=SMPartitionSpec, description="How an encode GPU is split with its local prefill worker."

@@ -15,17 +15,21 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HELP = "Run the SM-partition controller for one GPU (writes the /dev/shm control record)."
 POLICIES = ("encode-batch-split", "bandwidth-throttle", "static", "none")
+"""``policies.sm_policy.PolicyKind`` values (kept literal so ``--help`` imports nothing heavy)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
         type=Path,
-        help="runtime ConfigMap JSON (what the operator renders): policy, static SMs and epsilon come from "
-        "spec.smPartition; without --table, the dynamic table is built from the engine's latency profile",
+        help="runtime ConfigMap JSON (what the operator renders): the policy the spec asks for "
+        "(policies.sm_policy.partition_policy): spec.smPartition for a disaggregated deployment (without "
+        "--table, the dynamic table is built from the engine's latency profile), the omni profile's "
+        "bandwidth throttle for an omni-colocated one",
     )
     parser.add_argument("--gpu", type=int, default=0)
     parser.add_argument("--policy", choices=POLICIES, default=None, help="required unless --config gives it")
@@ -37,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--s-aggr", type=int, help="no-downstream SM cap (bandwidth-throttle; default: all SMs)"
     )
     parser.add_argument(
-        "--b-sat", type=float, default=None, help="memory activity (%%) at which the cap reaches S_cap (default 60)"
+        "--b-sat", type=float, default=60.0, help="memory activity (%%) at which the cap reaches S_cap"
     )
     parser.add_argument("--gamma", type=float, default=0.4, help="EWMA weight of the NVML signal")
     parser.add_argument("--static-sms", type=int, help="primary SMs (static)")
@@ -65,106 +69,110 @@ def _total_sms(gpu: int) -> int | None:
         return None
 
 
-def _apply_config(args: argparse.Namespace) -> object | None:
-    """Fill unset flags from the deployment's spec; return a table built from the latency profile
-    for ``dynamic`` mode when no measured ``--table`` is given (the sim engine's ground truth, and
-    a sane start on real GPUs until `easerve profile-partition` has run)."""
-    from easerve_runtime.api import RuntimeConfig
+def _spec_policy(args: argparse.Namespace) -> Any:
+    """The deployment's policy from ``--config`` (``policies.sm_policy.partition_policy``, the same
+    factory the twin and the omni engine use), with its inputs loaded here: the dynamic table from
+    the engine's latency profile unless a measured ``--table`` is given, the omni throttle from the
+    omni profile. Explicit flags (``--policy`` other than the spec's, ``--table``, ``--ladder``,
+    ``--static-sms``) win; then this returns None after filling what the spec gives."""
+    from easerve_runtime.api import DeploymentMode, RuntimeConfig
+    from easerve_runtime.policies.sm_policy import PolicyKind, partition_policy, policy_kind
 
-    cfg = RuntimeConfig.from_json(args.config.read_text())
-    part = cfg.spec.sm_partition
-    mode = str(part.mode)
-    if str(cfg.spec.mode) == "omni-colocated":
-        _apply_omni_throttle(args, cfg)
-        return None
+    spec = RuntimeConfig.from_json(args.config.read_text()).spec
+    kind = policy_kind(spec)
     if args.policy is None:
-        args.policy = {"dynamic": "encode-batch-split", "static": "static"}.get(mode, "none")
-    if args.static_sms is None and part.static_encode_sms is not None:
-        args.static_sms = part.static_encode_sms
-    if args.policy != "encode-batch-split" or args.table is not None:
+        args.policy = str(kind)
+    if args.static_sms is None and spec.sm_partition.static_encode_sms is not None:
+        args.static_sms = spec.sm_partition.static_encode_sms
+    if args.policy != kind or args.table is not None or args.ladder:
         return None
-    from easerve_runtime.profiles import spec_profile
-    from easerve_runtime.profiles.partition import partition_table
+    table = None
+    throttle = None
+    total = args.total_sms or _total_sms(args.gpu)
+    if kind is PolicyKind.ENCODE_BATCH_SPLIT:
+        from easerve_runtime.profiles import spec_profile
+        from easerve_runtime.profiles.partition import partition_table
 
-    profile = spec_profile(cfg.spec)
-    return partition_table(profile, profile.sms, epsilon=part.epsilon)
+        profile = spec_profile(spec)
+        table = partition_table(profile, profile.sms, epsilon=spec.sm_partition.epsilon)
+        total = total or table.total_sms
+    elif kind is PolicyKind.BANDWIDTH_THROTTLE and spec.mode == DeploymentMode.OMNI_COLOCATED:
+        from easerve_runtime.omni.profile import load_omni_profile
+        from easerve_runtime.profiles.source import profile_path
+
+        omni = load_omni_profile(profile_path(spec))
+        throttle = omni.throttle
+        total = total or omni.total_sms
+    if total is None:
+        raise ValueError("--total-sms: required when the GPU's SM count cannot be read from NVML")
+    return partition_policy(spec, total, table=table, throttle=throttle)
 
 
-def _apply_omni_throttle(args: argparse.Namespace, cfg: object) -> None:
-    """Omni pods throttle the shared stage (BandwidthThrottle); unset flags come from the omni
-    profile the pod mounts, so a profile the operator could not read still starts the controller."""
-    from easerve_runtime.omni.profile import load_omni_profile
-    from easerve_runtime.profiles.source import profile_path
+def _flag_policy(args: argparse.Namespace, total: int) -> Any:
+    """The policy the flags describe (no ``--config``, or flags overriding it); errors name the flag."""
+    from easerve_runtime.policies.partition import EncodeBatchSplit, PartitionTable
+    from easerve_runtime.policies.sm_policy import PolicyKind, SMPolicy, bandwidth_throttle
 
-    spec = cfg.spec  # type: ignore[attr-defined]
-    if args.policy is None:
-        args.policy = "none" if str(spec.sm_partition.mode) == "none" else "bandwidth-throttle"
-    if args.policy != "bandwidth-throttle" or args.ladder:
-        return
-    omni = load_omni_profile(profile_path(spec))
-    t = omni.throttle
-    args.ladder = [int(x) for x in t["ladder"]]
-    args.s_aggr = args.s_aggr or int(t["s_aggr"])
-    args.b_sat = float(t["b_sat"]) if args.b_sat is None else args.b_sat
-    args.total_sms = args.total_sms or int(omni.total_sms)
+    kind = PolicyKind(args.policy)
+    if kind is PolicyKind.ENCODE_BATCH_SPLIT:
+        if args.table is None:
+            raise ValueError("--table: required for --policy encode-batch-split")
+        try:
+            table = PartitionTable.from_dict(json.loads(args.table.read_text()))
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"--table: {exc}") from exc
+        return SMPolicy(kind, total, split=EncodeBatchSplit(table))
+    if kind is PolicyKind.BANDWIDTH_THROTTLE:
+        if not args.ladder:
+            raise ValueError("--ladder: required for --policy bandwidth-throttle")
+        params = {
+            "ladder": args.ladder,
+            "s_aggr": args.s_aggr or total,
+            "b_sat": args.b_sat,
+            "gamma": args.gamma,
+        }
+        try:
+            return SMPolicy(kind, total, throttle=bandwidth_throttle(params, total))
+        except ValueError as exc:
+            raise ValueError(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}") from exc
+    if kind is PolicyKind.STATIC:
+        if args.static_sms is None or not 0 < args.static_sms <= total:
+            raise ValueError(f"--static-sms: required, in 1..{total}")
+        return SMPolicy(kind, total, static_sms=args.static_sms)
+    return SMPolicy(kind, total)
 
 
 def run(args: argparse.Namespace) -> int:
     from easerve_runtime.partition.controller import ControllerCore, run_loop
     from easerve_runtime.partition.nvml_signal import MemoryActivitySampler, NvmlUnavailable
     from easerve_runtime.partition.record import ControlRecordFile, DemandFile, control_path, demand_path
-    from easerve_runtime.policies.partition import BandwidthThrottle, EncodeBatchSplit, PartitionTable
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("partition-controller")
-    profile_table = None
-    if args.config is not None:
-        try:
-            profile_table = _apply_config(args)
-        except (OSError, ValueError) as exc:
-            print(f"--config: {exc}", file=sys.stderr)
-            return 2
-    if args.policy is None:
-        print("--policy: required (or give --config)", file=sys.stderr)
-        return 2
-    total = args.total_sms or _total_sms(args.gpu)
-    table = profile_table if args.table is None else None
-    if table is not None:
-        total = total or table.total_sms
-    if args.policy == "encode-batch-split" and table is None:
-        if args.table is None:
-            print("--table: required for --policy encode-batch-split", file=sys.stderr)
-            return 2
-        try:
-            table = PartitionTable.from_dict(json.loads(args.table.read_text()))
-        except (OSError, ValueError) as exc:
-            print(f"--table: {exc}", file=sys.stderr)
-            return 2
-        total = total or table.total_sms
-    if total is None:
-        print("--total-sms: required when the GPU's SM count cannot be read from NVML", file=sys.stderr)
-        return 2
+    policy = None
     try:
-        if args.policy == "encode-batch-split":
-            assert table is not None
-            core = ControllerCore(total, split=EncodeBatchSplit(table))
-        elif args.policy == "bandwidth-throttle":
-            if not args.ladder:
-                print("--ladder: required for --policy bandwidth-throttle", file=sys.stderr)
-                return 2
-            b_sat = 60.0 if args.b_sat is None else args.b_sat
-            th = BandwidthThrottle(args.ladder, args.s_aggr or total, total, b_sat, gamma=args.gamma)
-            core = ControllerCore(total, throttle=th)
-        elif args.policy == "static":
-            if args.static_sms is None or not 0 < args.static_sms <= total:
-                print(f"--static-sms: required, in 1..{total}", file=sys.stderr)
-                return 2
-            core = ControllerCore(total, static_sms=args.static_sms)
-        else:
-            core = ControllerCore(total)
-    except ValueError as exc:
-        print(f"--{str(exc).split(':')[0].replace('_', '-')}: {exc}", file=sys.stderr)
+        if args.config is not None:
+            policy = _spec_policy(args)
+        if args.policy is None:
+            raise ValueError("--policy: required (or give --config)")
+        if policy is None:
+            total = args.total_sms or _total_sms(args.gpu)
+            if total is None and args.table is not None and args.policy == "encode-batch-split":
+                from easerve_runtime.policies.partition import PartitionTable
+
+                try:
+                    total = PartitionTable.from_dict(json.loads(args.table.read_text())).total_sms
+                except (OSError, ValueError) as exc:
+                    raise ValueError(f"--table: {exc}") from exc
+            if total is None:
+                raise ValueError("--total-sms: required when the GPU's SM count cannot be read from NVML")
+            policy = _flag_policy(args, total)
+    except (OSError, ValueError) as exc:
+        msg = str(exc)
+        print(msg if msg.startswith("--") else f"--config: {msg}", file=sys.stderr)
         return 2
+    total = policy.total_sms
+    core = ControllerCore(total, split=policy.split, throttle=policy.throttle, static_sms=policy.static_sms)
     sample = None
     try:
         sampler = MemoryActivitySampler(args.gpu, use_gpm=not args.no_gpm)

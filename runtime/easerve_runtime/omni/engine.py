@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from easerve_runtime.omni.profile import ClassProfile, OmniProfile, Sharing
 from easerve_runtime.policies.omni import ClassInfo, OmniRequest, OmniScheduler, PathKind, SLOTable, StepPlan
 from easerve_runtime.policies.partition import BandwidthThrottle
+from easerve_runtime.policies.sm_policy import bandwidth_throttle
 
 
 @dataclass(eq=False)
@@ -53,14 +54,9 @@ class EngineStats:
 
 
 def make_throttle(profile: OmniProfile) -> BandwidthThrottle:
-    t = profile.throttle
-    return BandwidthThrottle(
-        ladder=t["ladder"],
-        s_aggr=int(t["s_aggr"]),
-        total_sms=profile.total_sms,
-        b_sat=float(t["b_sat"]),
-        gamma=float(t.get("gamma", 0.4)),
-    )
+    """The omni GPU's bandwidth throttle, built by the one spec -> partition policy home
+    (``policies.sm_policy.bandwidth_throttle``, which the pod's partition controller uses too)."""
+    return bandwidth_throttle(profile.throttle, profile.total_sms)
 
 
 class OmniEngine:

@@ -2,6 +2,11 @@
 
 Import the concrete modules (``policies.batcher``, ``policies.router``, ``policies.envelope``,
 ``policies.partition``, ``policies.omni``); this package re-exports the most used names.
+
+The decisions built from these blocks live here once too, for the live workers and the twin
+alike (docs/policies.md, "Shared stage decisions"): ``policies.prefill_batch`` (prefill token
+budget), ``policies.decode_admission`` (sequence cap and KV memory), ``policies.post_encode``
+(route, pick, group per destination) and ``policies.sm_policy`` (spec -> SM-partition policy).
 """
 
 from easerve_runtime.policies.batcher import (

@@ -96,10 +96,13 @@ class Profile:
         """KV cache of one sequence of ``tokens`` (sliding-window layers hold only the window)."""
         return int(math.ceil(self.backbone.kv_bytes(tokens)))
 
-    def kv_budget_bytes(self, tp: int = 1) -> int:
+    def kv_budget_bytes(self, tp: int = 1, memory_fraction: float = USABLE_MEMORY_FRACTION) -> int:
         """KV cache a worker of ``tp`` GPUs can hold after weights and reserves (≤ 0 if it does
-        not fit)."""
-        per_gpu = USABLE_MEMORY_FRACTION * self.hw.memory_bytes - ACTIVATION_RESERVE_BYTES
+        not fit), when the engine may use ``memory_fraction`` of each GPU's memory
+        (``spec.decode.kvMemoryFraction`` for decode admission)."""
+        if not 0.0 < memory_fraction <= 1.0:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {memory_fraction}")
+        per_gpu = memory_fraction * self.hw.memory_bytes - ACTIVATION_RESERVE_BYTES
         return int(tp * per_gpu - self.weight_bytes)
 
     def fits(self, tp: int = 1) -> bool:

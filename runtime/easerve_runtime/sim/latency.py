@@ -13,8 +13,11 @@ import inspect
 import math
 from typing import Any, Protocol
 
-KV_MEMORY_UTILISATION = 0.9
-"""Fraction of GPU memory an engine may use for weights + KV (vLLM's gpu_memory_utilization)."""
+from easerve_runtime.api import DecodeSpec
+
+KV_MEMORY_UTILISATION: float = DecodeSpec().kv_memory_fraction
+"""Fraction of GPU memory an engine may use for weights + KV (``spec.decode.kvMemoryFraction``'s
+default, vLLM's gpu_memory_utilization)."""
 
 
 class LatencyProfile(Protocol):
@@ -129,16 +132,19 @@ class StageModel:
     def embedding_bytes(self, tokens: int) -> int:
         return int(self.profile.embedding_bytes(tokens))
 
-    def kv_capacity_bytes(self, tp: int) -> float:
-        """KV bytes a worker of ``tp`` GPUs can hold next to its weights (≤ 0: does not fit)."""
+    def kv_capacity_bytes(self, tp: int, memory_fraction: float = KV_MEMORY_UTILISATION) -> float:
+        """KV bytes a worker of ``tp`` GPUs can hold next to its weights (≤ 0: does not fit), when
+        the engine may use ``memory_fraction`` of each GPU (``spec.decode.kvMemoryFraction``)."""
         budget = getattr(self.profile, "kv_budget_bytes", None)
         if callable(budget):
-            return float(budget(tp))
+            if memory_fraction == KV_MEMORY_UTILISATION:
+                return float(budget(tp))
+            return float(budget(tp, memory_fraction))
         mem = getattr(self.profile, "gpu_memory_bytes", None)
         weights = getattr(self.profile, "weight_bytes", None)
         if not mem or weights is None:
             return math.inf
-        return tp * mem * KV_MEMORY_UTILISATION - weights
+        return tp * mem * memory_fraction - weights
 
     def fits(self, tp: int) -> bool:
         """The backbone fits on ``tp`` GPUs with room for KV (the profile's own rule when it has one)."""

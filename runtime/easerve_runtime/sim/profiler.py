@@ -90,7 +90,15 @@ class SimProfiler:
             done.append(loop.now)
 
         handoff.first_token = first_token  # type: ignore[method-assign]
-        w = PrefillWorker(loop, self.model, tp, "probe", handoff, local=local_share is not None)
+        w = PrefillWorker(
+            loop,
+            self.model,
+            tp,
+            "probe",
+            handoff,
+            local=local_share is not None,
+            token_budget=self.spec.prefill.max_batch_tokens,
+        )
         if local_share is not None:
             w.set_share(local_share)
         w.enqueue([Job(r) for r in self.requests])
@@ -103,11 +111,13 @@ class SimProfiler:
 
     def decode_capacity(self, tp: int) -> Probe:
         loop = EventLoop()
-        w = DecodeWorker(loop, self.model, tp, "probe")
+        d = self.spec.decode
+        w = DecodeWorker(loop, self.model, tp, "probe", d.max_sequences, d.kv_memory_fraction)
         jobs = [Job(r) for r in self.requests]
+        w.stepping = True  # queue them all before the first step
         for j in jobs:
             w.outstanding += 1
-            w.waiting.append(j)
+            w.admit(j)
         w._start_step()
         loop.run()
         t = max((j.rec.finish_s or 0.0) for j in jobs)

@@ -2,21 +2,30 @@
 
 Each worker owns a queue and a busy period and charges its latency through the stage model
 (``sim/latency.py``, which reads the SAME profile as the runtime's sim engine). Decisions are
-never made here: the encode worker asks the real batcher (``policies.batcher``) when to dispatch
-and the real SM-split policy (``policies.partition``, via ``sim/shares.py``) how many SMs it
-gets; routing uses the real ``DeficitRouter`` and ``LeastOutstanding``. What is modelled here is
-only time: who is busy until when.
+never made here; every one is the same object the live worker calls:
+
+- when an encode micro-batch leaves: the batcher (``policies.batcher``);
+- encode SMs per micro-batch: the SM policy (``policies.sm_policy``, via ``sim/shares.py``);
+- remote vs local, which remote, one envelope per destination: ``policies.post_encode``;
+- envelopes in flight before the encoder waits: ``policies.envelope.SendWindow``
+  (``spec.encode.sendWindow``);
+- which waiting requests form a prefill batch: ``policies.prefill_batch`` (``spec.prefill``);
+- which sequences join the decode batch: ``policies.decode_admission`` (``spec.decode``);
+- which decode worker gets a KV cache: ``LeastOutstanding``.
+
+What is modelled here is only time: who is busy until when.
 
 Modelling choices (documented in docs/twin.md):
 - Embedding transfer follows envelope semantics: one transfer per destination per micro-batch,
   costing ``transfer_s(bytes)`` (setup + bytes/bandwidth), serialised on the encode worker's link;
-  the local destination shares the GPU and costs nothing.
-- Prefill batches whole requests FIFO up to a token budget (at least one request).
+  the local destination shares the GPU and costs nothing. An envelope holds a slot of the send
+  window from its send until it arrives (the live prefill worker acknowledges on receipt); with
+  the window full the encoder waits, as the live one does.
 - The local prefill worker's speed follows its SM share, which changes whenever its encoder starts
   or finishes a micro-batch: its remaining work is re-timed at every change (progress-based).
 - KV handoff costs ``transfer_s(kv_bytes(prompt))`` per request, concurrently.
 - Decode is continuous batching: requests join at step boundaries, one token per step, step
-  time from batch size and mean context; admission is bounded by KV memory and a sequence cap.
+  time from batch size and the context summed over the batch.
 """
 
 from __future__ import annotations
@@ -26,22 +35,29 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding, Route
+from easerve_runtime.api import DecodeSpec, EncodeSpec, PrefillSpec
+from easerve_runtime.policies.decode_admission import DecodeAdmission
+from easerve_runtime.policies.envelope import SendWindow
+from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
+from easerve_runtime.policies.prefill_batch import PrefillBatcher
+from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.workload.request import Request, RequestRecord
 
-DEFAULT_PREFILL_TOKEN_BUDGET = 8192
-"""Most prompt tokens in one prefill batch (vLLM's default max_num_batched_tokens)."""
-DEFAULT_MAX_DECODE_SEQS = 256
-"""Most sequences in one decode batch (vLLM's default max_num_seqs)."""
+DEFAULT_PREFILL_TOKEN_BUDGET: int = PrefillSpec().max_batch_tokens
+"""``spec.prefill.maxBatchTokens``'s default (the aggregated baseline's token budget too)."""
+DEFAULT_MAX_DECODE_SEQS: int = DecodeSpec().max_sequences
+"""``spec.decode.maxSequences``'s default."""
+DEFAULT_KV_MEMORY_FRACTION: float = DecodeSpec().kv_memory_fraction
+DEFAULT_SEND_WINDOW: int = EncodeSpec().send_window
 
 
 class Job:
     """One request moving through the pipeline, with its record."""
 
-    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "left")
+    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "left", "origin", "dest")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -50,6 +66,8 @@ class Job:
         self.left = -1  # aggregated baseline: prompt tokens still to prefill (-1: not admitted)
         self.rec = RequestRecord(id=req.id, arrival_s=req.arrival_s, output_tokens=req.output_tokens)
         self.route: str | None = None
+        self.origin: PostEncodeRouter[str] | None = None  # the encode worker's router that sent it
+        self.dest = ""  # where that router sent it (LOCAL or a remote prefill worker's name)
 
 
 class Busy:
@@ -65,16 +83,20 @@ class DecodeWorker(Busy):
     """Continuous batching: every step emits one token for every running sequence."""
 
     def __init__(
-        self, loop: EventLoop, model: StageModel, tp: int, name: str, max_seqs: int = DEFAULT_MAX_DECODE_SEQS
+        self,
+        loop: EventLoop,
+        model: StageModel,
+        tp: int,
+        name: str,
+        max_seqs: int = DEFAULT_MAX_DECODE_SEQS,
+        kv_memory_fraction: float = DEFAULT_KV_MEMORY_FRACTION,
     ) -> None:
         super().__init__()
         self.loop, self.model, self.tp, self.name = loop, model, tp, name
-        self.max_seqs = max_seqs
-        self.kv_capacity = model.kv_capacity_bytes(tp)
-        self.waiting: deque[Job] = deque()
+        self.admission: DecodeAdmission[Job] = DecodeAdmission(
+            max_seqs, model.kv_capacity_bytes(tp, kv_memory_fraction)
+        )
         self.finishing: list[tuple[int, int, Job]] = []  # (finish step, seq, job)
-        self.running = 0
-        self.reserved = 0.0  # KV bytes reserved by running sequences at full length
         self.ctx_sum = 0  # current context tokens over running sequences
         self.step = 0
         self.stepping = False
@@ -84,34 +106,32 @@ class DecodeWorker(Busy):
         self.steps = 0
         self.batch_sum = 0
 
+    @property
+    def running(self) -> int:
+        return self.admission.running
+
+    @property
+    def kv_capacity(self) -> float:
+        return self.admission.kv_capacity_bytes
+
     def admit(self, job: Job) -> None:
         """KV has arrived: the sequence may join at the next step boundary."""
-        self.waiting.append(job)
+        if not job.kv_need:
+            job.kv_need = self.model.kv_bytes(job.tokens + job.req.output_tokens)
+        self.admission.add(job, job.kv_need)
         if not self.stepping:
             self._start_step()
 
-    def _fits(self, job: Job) -> bool:
-        if not job.kv_need:
-            job.kv_need = self.model.kv_bytes(job.tokens + job.req.output_tokens)
-        need = job.kv_need
-        if self.running == 0:
-            return True  # a lone sequence always runs (a too-long one would be rejected upstream)
-        return self.running < self.max_seqs and self.reserved + need <= self.kv_capacity
-
     def _start_step(self) -> None:
-        w = self.waiting
-        while w and self._fits(w[0]):
-            job = w.popleft()
-            self.running += 1
-            self.reserved += job.kv_need
+        for job, _need in self.admission.admit():
             self.ctx_sum += job.tokens + 1
             self._seq += 1
             heapq.heappush(self.finishing, (self.step + job.req.output_tokens - 1, self._seq, job))
-        if self.running == 0:
+        n = self.admission.running
+        if n == 0:
             self.stepping = False
             return
         self.stepping = True
-        n = self.running
         dt = self.model.decode_step_s(n, self.ctx_sum, self.tp)
         self.busy_s += dt
         self.steps += 1
@@ -121,12 +141,11 @@ class DecodeWorker(Busy):
     def _end_step(self) -> None:
         now = self.loop.now
         self.step += 1
-        self.ctx_sum += self.running
+        self.ctx_sum += self.admission.running
         f = self.finishing
         while f and f[0][0] <= self.step:
             _, _, job = heapq.heappop(f)
-            self.running -= 1
-            self.reserved -= job.kv_need
+            self.admission.finish(job.kv_need)
             self.ctx_sum -= job.tokens + job.req.output_tokens
             self.outstanding -= 1
             job.rec.finish_s = now
@@ -168,7 +187,7 @@ class KVHandoff:
 
 
 class PrefillWorker(Busy):
-    """Batched prefill with a token budget. ``share_fn`` gives its SM share (remote: always 1)."""
+    """Batched prefill (``PrefillBatcher``); a local worker's speed follows its SM share."""
 
     def __init__(
         self,
@@ -183,8 +202,7 @@ class PrefillWorker(Busy):
         super().__init__()
         self.loop, self.model, self.tp, self.name, self.handoff = loop, model, tp, name, handoff
         self.local = local
-        self.token_budget = token_budget
-        self.queue: deque[Job] = deque()
+        self.batcher: PrefillBatcher[Job] = PrefillBatcher(token_budget)
         self.outstanding = 0
         self.batch: list[Job] = []
         self.tokens = 0
@@ -205,21 +223,20 @@ class PrefillWorker(Busy):
             return self.model.local_prefill_s(self.tokens, self.share, n, self.tp) * self.dilation
         return self.model.prefill_s(self.tokens, self.tp, 1.0, n)
 
+    @property
+    def token_budget(self) -> int:
+        return self.batcher.max_batch_tokens
+
     def enqueue(self, jobs: list[Job]) -> None:
-        self.queue.extend(jobs)
+        for j in jobs:
+            self.batcher.add(j, j.tokens)
         if not self.batch:
             self._start()
 
     def _start(self) -> None:
-        q = self.queue
-        if not q:
+        batch, tokens = self.batcher.take()
+        if not batch:
             return
-        batch = [q.popleft()]
-        tokens = batch[0].tokens
-        while q and tokens + q[0].tokens <= self.token_budget:
-            j = q.popleft()
-            batch.append(j)
-            tokens += j.tokens
         self.batch, self.tokens = batch, tokens
         self.batches += 1
         self.tokens_sum += tokens
@@ -266,12 +283,15 @@ class PrefillWorker(Busy):
         self.batch = []
         for job in batch:
             self.outstanding -= 1
+            if job.origin is not None:
+                job.origin.prefilled(job.dest)
             self.handoff.first_token(job)
         self._start()
 
 
 class EncodeWorker(Busy):
-    """One encode GPU: the real batcher decides dispatch, the real split policy the SM share."""
+    """One encode GPU: the real batcher decides dispatch, the real split policy the SM share,
+    the real post-encode router where each request goes, the real send window when it waits."""
 
     def __init__(
         self,
@@ -280,18 +300,20 @@ class EncodeWorker(Busy):
         shares: ShareModel,
         batcher: Any,
         name: str,
-        router: DeficitRouter | None,
+        router: PostEncodeRouter[str],
         remote: list[PrefillWorker],
         local: PrefillWorker | None,
         reasons: dict[str, int],
         member: int = 0,
+        send_window: int = DEFAULT_SEND_WINDOW,
     ) -> None:
         super().__init__()
         self.loop, self.model, self.shares, self.batcher, self.name = loop, model, shares, batcher, name
         self.router, self.remote, self.local, self.reasons = router, remote, local, reasons
-        self.picker = LeastOutstanding()
-        self.remote_outstanding = {p.name: 0 for p in remote}
+        self.remote_names = [p.name for p in remote]
         self.by_name = {p.name: p for p in remote}
+        self.window = SendWindow(send_window)
+        self._outbox: deque[tuple[str, list[Job]]] = deque()
         self.busy = False
         self.outstanding = 0
         self._wake_at: float | None = None
@@ -301,10 +323,14 @@ class EncodeWorker(Busy):
         self.batches = 0
         self.batch_sum = 0
         self.items_sum = 0
-        self.routed = {"remote": 0, "local": 0}
+        self.window_waits = 0
         self.member = member  # this GPU's rank within its local prefill worker's TP group
         if local is not None:
             local.set_share(*shares.local_share(None, local_active=False), member=member)
+
+    @property
+    def routed(self) -> dict[str, int]:
+        return {"remote": self.router.remote_count, "local": self.router.local_count}
 
     def on_arrival(self, job: Job) -> None:
         self.outstanding += 1
@@ -312,7 +338,7 @@ class EncodeWorker(Busy):
         self._kick()
 
     def _kick(self) -> None:
-        if self.busy:
+        if self.busy or self._outbox:  # encoding, or waiting for the send window (as live)
             return
         now = self.loop.now
         d = self.batcher.poll(now)
@@ -344,30 +370,36 @@ class EncodeWorker(Busy):
             self._kick()
 
     def _done(self, jobs: tuple[Job, ...]) -> None:
-        now = self.loop.now
         self.busy = False
         self.outstanding -= len(jobs)
         if self.local is not None:
             self.local.set_share(*self.shares.local_share(None, local_active=True), member=self.member)
-        # route every request, then one envelope per destination
-        groups: dict[str, list[Job]] = {}
-        for job in jobs:
-            route = self.router.decide() if self.router is not None else Route.REMOTE
-            if route == Route.LOCAL and self.local is not None:
-                job.route = "local"
-                self.routed["local"] += 1
-                groups.setdefault("local", []).append(job)
-                self.local.outstanding += 1
-                continue
-            job.route = "remote"
-            self.routed["remote"] += 1
-            for p in self.remote:
-                self.remote_outstanding[p.name] = p.outstanding
-            name = self.picker.pick([p.name for p in self.remote], self.remote_outstanding)
-            self.by_name[name].outstanding += 1
-            groups.setdefault(name, []).append(job)
-        for dest, group in groups.items():
-            if dest == "local":
+        plan = self.router.route(jobs, self.remote_names)
+        if plan.unroutable:  # the twin builds no such worker (run_pipeline rejects it)
+            raise ValueError(f"{self.name}: REMOTE route with no remote prefill worker")
+        for dest, group in plan.groups.items():
+            for job in group:
+                job.route = "local" if dest == LOCAL else "remote"
+                job.origin, job.dest = self.router, str(dest)
+                if dest == LOCAL:
+                    assert self.local is not None
+                    self.local.outstanding += 1
+                else:
+                    self.by_name[str(dest)].outstanding += 1
+            self._outbox.append((str(dest), group))
+        self._flush()
+        self._kick()
+
+    def _flush(self) -> None:
+        """Send queued envelopes while the window has room (FIFO, as the live worker awaits them)."""
+        now = self.loop.now
+        while self._outbox:
+            if not self.window.try_acquire():
+                self.window_waits += 1
+                return
+            dest, group = self._outbox.popleft()
+            if dest == LOCAL:  # same GPU: no transfer, acknowledged at once
+                self.window.release()
                 assert self.local is not None
                 self.local.enqueue(group)
                 continue
@@ -376,5 +408,12 @@ class EncodeWorker(Busy):
             self.link_free = start + self.model.transfer_s(nbytes)
             self.transfers += 1
             self.transfer_bytes += nbytes
-            self.loop.at(self.link_free, self.by_name[dest].enqueue, group)
+            self.loop.at(self.link_free, self._arrived, dest, group)
+
+    def _arrived(self, dest: str, group: list[Job]) -> None:
+        """The envelope reached its prefill worker, which acknowledges it: a window slot frees."""
+        self.window.release()
+        self.by_name[dest].enqueue(group)
+        if self._outbox:
+            self._flush()
         self._kick()

@@ -15,7 +15,8 @@ from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec, SpecError, Stage
 from easerve_runtime.policies.batcher import Batcher, make_batcher
-from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding
+from easerve_runtime.policies.post_encode import PostEncodeRouter
+from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
@@ -53,9 +54,18 @@ def run_pipeline(
     def each(stage: Stage) -> list[Process]:
         return [proc for pod, _ in topo.replicas() for proc in pod.process(stage)]
 
-    decoders = [DecodeWorker(loop, model, p.tp, f"decode-{i}") for i, p in enumerate(each(Stage.DECODE))]
+    decoders = [
+        DecodeWorker(
+            loop, model, p.tp, f"decode-{i}", spec.decode.max_sequences, spec.decode.kv_memory_fraction
+        )
+        for i, p in enumerate(each(Stage.DECODE))
+    ]
+    budget = spec.prefill.max_batch_tokens
     handoff = KVHandoff(loop, model, decoders)
-    remote = [PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff) for i, p in enumerate(each(Stage.PREFILL))]
+    remote = [
+        PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff, token_budget=budget)
+        for i, p in enumerate(each(Stage.PREFILL))
+    ]
     shares = ShareModel(spec, model, spec.has_local_prefill)
     reasons: dict[str, int] = {}
     encoders: list[EncodeWorker] = []
@@ -65,13 +75,15 @@ def run_pipeline(
             continue
         local: PrefillWorker | None = None
         for proc in pod.process(Stage.LOCAL_PREFILL):
-            local = PrefillWorker(loop, model, proc.tp, f"local-{len(locals_)}", handoff, local=True)
+            local = PrefillWorker(
+                loop, model, proc.tp, f"local-{len(locals_)}", handoff, local=True, token_budget=budget
+            )
             locals_.append(local)
         for member, _proc in enumerate(pod.process(Stage.ENCODE)):
             batcher: Batcher[Any] = (
                 batcher_factory() if batcher_factory is not None else make_batcher(spec.encode)
             )
-            router = DeficitRouter(s) if local is not None else None
+            router: PostEncodeRouter[str] = PostEncodeRouter(s if local is not None else 1.0, local is not None)
             encoders.append(
                 EncodeWorker(
                     loop,
@@ -84,6 +96,7 @@ def run_pipeline(
                     local,
                     reasons,
                     member=member,  # this GPU's rank within its local prefill worker's TP group
+                    send_window=spec.encode.send_window,
                 )
             )
 

@@ -2,36 +2,79 @@
 
 Sequences join the running batch between any two steps (after their KV cache has been
 received) and leave when they reach ``max_tokens``; each step is one engine call over the whole
-running batch, capped at ``MAX_BATCH`` sequences.
+running batch. Who joins is decided by the shared admission policy
+(``policies.decode_admission.DecodeAdmission``, ``spec.decode``; the twin uses the same object):
+at most ``maxSequences`` running, and a sequence joins only when its KV cache at full length
+(prompt + ``max_tokens``) fits in the worker's KV capacity next to the running ones' reservations.
+A sequence that does not fit waits (its client sees a later first decode token), never OOMs.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
-from collections.abc import AsyncIterator
+import math
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from easerve_runtime.api import DecodeSpec, EPDDeploymentSpec
 from easerve_runtime.engines.base import DecodeEngine, DecodeSequence
 from easerve_runtime.metrics import Metrics
+from easerve_runtime.policies.decode_admission import DecodeAdmission
 
 log = logging.getLogger("easerve.decode")
 
-MAX_BATCH = 128
-"""Most sequences per decode step (no spec field yet)."""
+Entry = tuple[DecodeSequence, "asyncio.Queue[Any]", float]  # (sequence, its token queue, KV need)
 
 
 class DecodeWorker:
     stage = "decode"
 
-    def __init__(self, engine: DecodeEngine, metrics: Metrics, *, max_batch: int = MAX_BATCH) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        metrics: Metrics,
+        *,
+        admission: DecodeAdmission[Entry] | None = None,
+        kv_bytes: Callable[[int], float] | None = None,
+    ) -> None:
+        """``admission``: the shared policy, built from ``spec.decode`` and this worker's KV capacity
+        (default: the spec defaults with unbounded memory, for tests); ``kv_bytes(tokens)``: the KV
+        cache of one sequence of ``tokens`` (the profile's), to reserve each at full length."""
         self.engine = engine
         self.metrics = metrics
-        self.max_batch = max_batch
-        self._waiting: deque[tuple[DecodeSequence, asyncio.Queue[Any]]] = deque()
-        self._running: list[tuple[DecodeSequence, asyncio.Queue[Any]]] = []
+        self.admission: DecodeAdmission[Entry] = admission or DecodeAdmission(
+            DecodeSpec().max_sequences, math.inf
+        )
+        self.kv_bytes = kv_bytes or (lambda tokens: 0.0)
+        self._running: list[Entry] = []
         self._arrival = asyncio.Event()
+
+    @classmethod
+    def for_spec(cls, spec: EPDDeploymentSpec, engine: DecodeEngine, metrics: Metrics) -> DecodeWorker:
+        """The decode worker of a deployment: ``spec.decode``'s admission over this worker's KV
+        capacity, from the engine when it reports one (``kv_capacity_bytes(memory_fraction)``),
+        else from the latency profile (``kv_budget_bytes(tp, memory_fraction)``), the same figure
+        the twin admits by."""
+        d = spec.decode
+        profile = getattr(engine, "profile", None)
+        if not (
+            callable(getattr(profile, "kv_budget_bytes", None))
+            and callable(getattr(profile, "kv_bytes", None))
+        ):
+            from easerve_runtime.profiles import load_profile
+
+            profile = load_profile(spec.engine.profile)
+        report = getattr(engine, "kv_capacity_bytes", None)
+        if callable(report):
+            capacity = float(report(d.kv_memory_fraction))
+        else:
+            capacity = float(
+                profile.kv_budget_bytes(spec.allocation.decode.tensor_parallel, d.kv_memory_fraction)
+            )
+        return cls(
+            engine, metrics, admission=DecodeAdmission.for_spec(d, capacity), kv_bytes=profile.kv_bytes
+        )
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -48,7 +91,8 @@ class DecodeWorker:
             return
         await self.engine.receive_kv(kv_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
-        self._waiting.append((seq, q))
+        need = float(self.kv_bytes(seq.context_tokens + seq.max_tokens))
+        self.admission.add((seq, q, need), need)
         self._gauges()
         self._arrival.set()
         ok = True
@@ -64,38 +108,43 @@ class DecodeWorker:
         self.metrics.stage_requests.labels(self.stage, "ok" if ok else "error").inc()
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.labels(self.stage).set(len(self._waiting))
-        self.metrics.inflight.labels(self.stage).set(len(self._waiting) + len(self._running))
+        waiting = self.admission.waiting
+        self.metrics.queue_depth.labels(self.stage).set(waiting)
+        self.metrics.inflight.labels(self.stage).set(waiting + len(self._running))
 
     async def run(self) -> None:
         while True:
-            while self._waiting and len(self._running) < self.max_batch:
-                seq, q = self._waiting.popleft()
+            for entry, need in self.admission.admit():
+                seq, q, _ = entry
                 if seq.done:
                     q.put_nowait(None)
+                    self.admission.finish(need)
                 else:
-                    self._running.append((seq, q))
+                    self._running.append(entry)
             self._gauges()
             if not self._running:
                 self._arrival.clear()
                 await self._arrival.wait()
                 continue
-            batch = [s for s, _ in self._running]
+            batch = [s for s, _, _ in self._running]
             self.metrics.decode_batch_size.observe(len(batch))
             try:
                 tokens = await self.engine.decode_step(batch)
             except Exception as exc:
                 log.exception("decode step failed")
-                for _s, q in self._running:
+                for _s, q, need in self._running:
                     q.put_nowait(exc)
+                    self.admission.finish(need)
                 self._running.clear()
                 continue
-            still: list[tuple[DecodeSequence, asyncio.Queue[Any]]] = []
-            for (seq, q), tok in zip(self._running, tokens, strict=True):
+            still: list[Entry] = []
+            for entry, tok in zip(self._running, tokens, strict=True):
+                seq, q, need = entry
                 seq.generated.append(tok)
                 q.put_nowait(tok)
                 if seq.done:
                     q.put_nowait(None)
+                    self.admission.finish(need)
                 else:
-                    still.append((seq, q))
+                    still.append(entry)
             self._running = still

@@ -1,16 +1,19 @@
 """The encode worker: micro-batch arrivals, encode, route each request, ship envelopes.
 
-This is the thin asyncio shell around three pure policies (``policies.batcher``,
-``policies.router``, ``policies.envelope``); it owns only the clock and the I/O:
+This is the thin asyncio shell around pure policies that the twin (``sim/stages.py``) drives too:
+``policies.batcher`` (when a micro-batch leaves), ``policies.post_encode`` (route, pick, group)
+and ``policies.envelope`` (pack, send window); it owns only the clock and the I/O:
 
 1. ``generate`` (one call per request, from the frontend) queues the request in the batcher and
    streams back whatever the batch loop delivers for it.
 2. ``run`` polls the batcher whenever the encoder is free and otherwise sleeps until an arrival
    or the batcher's ``next_wakeup``; while a batch encodes, arrivals simply accumulate.
-3. After encoding, the deficit router sends each request remote (a prefill worker, fewest
-   outstanding first) or local (the prefill worker sharing this GPU); embeddings are grouped per
-   destination into ONE envelope each, and a send window caps envelopes in flight, so a slow
-   prefill pool pushes back on the encoder instead of piling up memory.
+3. After encoding, ``PostEncodeRouter`` sends each request remote (the live prefill instance to
+   which this worker has the fewest requests not yet prefilled) or local (the prefill worker
+   sharing this GPU) and groups them per destination into ONE envelope each; a send window
+   (``spec.encode.sendWindow``) caps envelopes in flight, so a slow prefill pool pushes back on
+   the encoder instead of piling up memory. The first token of a request on an envelope's stream
+   tells the router that its prefill is done (the router's load accounting).
 """
 
 from __future__ import annotations
@@ -29,18 +32,13 @@ from easerve_runtime.engines.base import Embedding, EncodeEngine, EncodeInput, M
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.batcher import Dispatch, make_batcher
 from easerve_runtime.policies.envelope import SendWindow, build_envelopes
-from easerve_runtime.policies.router import DeficitRouter, Route
+from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.streams import Streams
 from easerve_runtime.workers.wire import b64e, part_from_wire, request_meta
 
 log = logging.getLogger("easerve.encode")
-
-SEND_WINDOW = 8
-"""Envelopes in flight per encode worker before the encoder waits (no spec field yet)."""
-
-LOCAL = "local"
 
 
 def embedding_array(emb: Embedding) -> np.ndarray[Any, Any]:
@@ -65,7 +63,7 @@ class EncodeWorker:
         local: StagePool | None,
         *,
         clock: Callable[[], float] = time.monotonic,
-        send_window: int = SEND_WINDOW,
+        send_window: int | None = None,
         sm_share: Callable[[int], float] | None = None,
         partition: PartitionLink | None = None,
     ) -> None:
@@ -81,8 +79,8 @@ class EncodeWorker:
         self.local = local
         self.clock = clock
         self.batcher = make_batcher(spec.encode)
-        self.router = DeficitRouter(s)
-        self.window = SendWindow(send_window)
+        self.router: PostEncodeRouter[Any] = PostEncodeRouter(s, has_local=local is not None)
+        self.window = SendWindow(send_window if send_window is not None else spec.encode.send_window)
         self.sm_share = sm_share or (lambda batch: 1.0)
         self.partition = partition
         self.streams = Streams()
@@ -154,26 +152,22 @@ class EncodeWorker:
             if self.partition is not None:
                 self.partition.idle()
         m.encode_seconds.observe(self.clock() - t0)
+        by_id = {str(req["id"]): (req, emb) for (req, _parts, _t), emb in zip(d.items, embs, strict=True)}
+        remotes = self.remote.instances() if self.remote is not None else []
+        plan = self.router.route(list(by_id), remotes)
+        for rid in plan.unroutable:
+            m.routed.labels("remote").inc()
+            self._fail(rid, "no live prefill instance")
         entries: list[tuple[str, Any, Any]] = []
         metas: dict[Any, list[dict[str, Any]]] = {}
-        assigned: dict[int, int] = {}
-        for (req, _parts, _t), emb in zip(d.items, embs, strict=True):
-            route = self.router.decide()
-            m.routed.labels(str(route)).inc()
-            dest: Any
-            if route == Route.REMOTE:
-                assert self.remote is not None
-                try:
-                    dest = self.remote.pick(extra=assigned)
-                except StageError:
-                    self._fail(str(req["id"]), "no live prefill instance")
-                    continue
-                assigned[dest] = assigned.get(dest, 0) + 1
-            else:
-                dest = LOCAL
-            entries.append((str(req["id"]), dest, embedding_array(emb)))
-            metas.setdefault(dest, []).append(request_meta(req, emb.tokens) | {"route": str(route)})
-        m.deficit.set(self.router.deficit)
+        for dest, rids in plan.groups.items():
+            route = LOCAL if dest == LOCAL else "remote"
+            for rid in rids:
+                req, emb = by_id[rid]
+                m.routed.labels(route).inc()
+                entries.append((rid, dest, embedding_array(emb)))
+                metas.setdefault(dest, []).append(request_meta(req, emb.tokens) | {"route": route})
+        m.deficit.set(self.router.deficit.deficit)
         for dest, env in build_envelopes(entries).items():
             while not self.window.try_acquire():
                 self._window_free.clear()
@@ -195,6 +189,7 @@ class EncodeWorker:
     async def _send(self, dest: Any, msg: dict[str, Any]) -> None:
         reqs = {r["id"]: r for r in msg["requests"]}
         pending = set(reqs)
+        unprefilled = set(reqs)  # the router counts these as outstanding at ``dest``
         released = False
         pool = self.local if dest == LOCAL else self.remote
         assert pool is not None
@@ -208,6 +203,9 @@ class EncodeWorker:
                 rid = item.get("id")
                 if rid not in pending:
                     continue
+                if rid in unprefilled:  # first token, or an error before it: prefill is over
+                    unprefilled.discard(rid)
+                    self.router.prefilled(dest)
                 if "token" in item:
                     self.streams.put(rid, {"token": item["token"]})
                 elif item.get("done"):
@@ -232,5 +230,7 @@ class EncodeWorker:
         finally:
             if not released:
                 self._release()
+            if unprefilled:
+                self.router.prefilled(dest, len(unprefilled))
             for rid in pending:
                 self._fail(rid, "prefill stream ended before the request finished")

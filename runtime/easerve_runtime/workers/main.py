@@ -117,13 +117,20 @@ async def run_stage(
         from easerve_runtime.workers.decode import DecodeWorker
 
         component = COMPONENT_DECODE
-        worker = DecodeWorker(engine, metrics)
+        worker = DecodeWorker.for_spec(spec, engine, metrics)
     elif stage in ("prefill", "local-prefill"):
         from easerve_runtime.workers.prefill import PrefillWorker
 
         component = COMPONENT_PREFILL if stage == "prefill" else local_prefill_component(key)
         decode_pool = await pool(COMPONENT_DECODE, "decode")
-        worker = PrefillWorker(engine, metrics, decode_pool, stage=stage, partition=link)
+        worker = PrefillWorker(
+            engine,
+            metrics,
+            decode_pool,
+            stage=stage,
+            max_batch_tokens=spec.prefill.max_batch_tokens,
+            partition=link,
+        )
     else:
         from easerve_runtime.workers.encode import EncodeWorker
 

@@ -1,7 +1,9 @@
 """The prefill worker (remote pool, or the local one sharing an encode GPU): same code, two names.
 
 It receives envelopes, acknowledges each as soon as it is unpacked (that frees a slot of the
-sender's window), batches queued requests up to a token budget, prefills them, streams each
+sender's window), batches queued requests with the shared prefill batching policy
+(``policies.prefill_batch.PrefillBatcher``, ``spec.prefill.maxBatchTokens``: the twin uses the
+same object), prefills them, streams each
 request's first token back at once, then hands the KV cache to the decode worker with the fewest
 outstanding requests and relays its tokens. Responses of all requests in an envelope are
 multiplexed on that envelope's stream, tagged with the request id.
@@ -11,21 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from easerve_runtime.api import PrefillSpec
 from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
+from easerve_runtime.policies.prefill_batch import PrefillBatcher
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.prefill")
 
-MAX_BATCH_TOKENS = 16384
-"""Most prompt tokens prefilled in one engine call (no spec field yet)."""
+Pending = tuple[dict[str, Any], "asyncio.Queue[dict[str, Any]]"]
 
 
 class PrefillWorker:
@@ -36,7 +38,7 @@ class PrefillWorker:
         decode: StagePool,
         *,
         stage: str = "prefill",
-        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        max_batch_tokens: int = PrefillSpec().max_batch_tokens,
         sm_share: Callable[[], float] | None = None,
         partition: PartitionLink | None = None,
     ) -> None:
@@ -44,10 +46,9 @@ class PrefillWorker:
         self.metrics = metrics
         self.decode = decode
         self.stage = stage
-        self.max_batch_tokens = max_batch_tokens
+        self.batcher: PrefillBatcher[Pending] = PrefillBatcher(max_batch_tokens)
         self.sm_share = sm_share or (lambda: 1.0)
         self.partition = partition
-        self._pending: deque[tuple[dict[str, Any], asyncio.Queue[dict[str, Any]]]] = deque()
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = 0
@@ -67,7 +68,7 @@ class PrefillWorker:
         yield {"ack": True}
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         for meta in metas:
-            self._pending.append((meta, q))
+            self.batcher.add((meta, q), int(meta["text_tokens"]) + int(meta["mm_tokens"]))
         self._inflight += len(metas)
         self._gauges()
         self._arrival.set()
@@ -82,25 +83,16 @@ class PrefillWorker:
             yield item
 
     def _gauges(self) -> None:
-        self.metrics.queue_depth.labels(self.stage).set(len(self._pending))
+        self.metrics.queue_depth.labels(self.stage).set(self.batcher.pending)
         self.metrics.inflight.labels(self.stage).set(self._inflight)
 
     async def run(self) -> None:
         while True:
-            if not self._pending:
+            if not self.batcher:
                 self._arrival.clear()
                 await self._arrival.wait()
                 continue
-            batch: list[tuple[dict[str, Any], asyncio.Queue[dict[str, Any]]]] = []
-            tokens = 0
-            while self._pending:
-                meta, q = self._pending[0]
-                t = int(meta["text_tokens"]) + int(meta["mm_tokens"])
-                if batch and tokens + t > self.max_batch_tokens:
-                    break
-                self._pending.popleft()
-                batch.append((meta, q))
-                tokens += t
+            batch, _tokens = self.batcher.take()
             self._gauges()
             inputs = [
                 PrefillInput(m["id"], int(m["text_tokens"]), int(m["mm_tokens"]), int(m["seed"]))
@@ -116,7 +108,7 @@ class PrefillWorker:
                 for m, q in batch:
                     q.put_nowait({"id": m["id"], "error": f"{self.stage} failed: {exc}"})
                 continue
-            if self.partition is not None and not self._pending:
+            if self.partition is not None and not self.batcher:
                 self.partition.idle()
             for (meta, q), out in zip(batch, outs, strict=True):
                 q.put_nowait({"id": meta["id"], "token": out.first_token})
