@@ -157,7 +157,7 @@ def build(arch: str, size: str = "tiny") -> tuple[Any, Any, Any]:
         )
         proc = LlavaNextProcessor(
             image_processor=ip, tokenizer=tok, patch_size=patch, vision_feature_select_strategy="default",
-            chat_template=template, image_token="<image>",
+            chat_template=template, image_token="<image>", num_additional_image_tokens=1,  # the CLS token
         )
     elif arch == "qwen2.5-vl":
         from transformers import Qwen2_5_VLConfig, Qwen2_5_VLProcessor, Qwen2VLImageProcessor
