@@ -189,6 +189,9 @@ class _Stage:
         self.model = self.loaded.model
         self.device = device
         self.family = self.loaded.family
+        from easerve_runtime.models.loading import load_tokenizer, stop_token_ids
+
+        self.stop_token_ids = stop_token_ids(path) or stop_token_ids(path, load_tokenizer(path, trust_remote_code))
 
 
 class HFEncodeEngine(_Stage):

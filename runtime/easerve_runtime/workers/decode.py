@@ -13,8 +13,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from easerve_runtime.engines.base import DecodeEngine, DecodeSequence
+from easerve_runtime.engines.base import DecodeEngine, DecodeSequence, Sampling, SlotDecodeEngine
 from easerve_runtime.metrics import Metrics
+from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.decode")
 
@@ -32,15 +33,39 @@ class DecodeWorker:
         self._waiting: deque[tuple[DecodeSequence, asyncio.Queue[Any]]] = deque()
         self._running: list[tuple[DecodeSequence, asyncio.Queue[Any]]] = []
         self._arrival = asyncio.Event()
+        self._kv_in: dict[str, dict[int, bytes]] = {}
+        self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
+        self.slots: SlotDecodeEngine | None = engine if isinstance(engine, SlotDecodeEngine) else None
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        if "kv_chunk" in request:  # a piece of a KV cache that a request will claim (see wire.py)
+            try:
+                c = request["kv_chunk"]
+                self._kv_in.setdefault(str(c["id"]), {})[int(c["seq"])] = b64d(c["b64"])
+            except (KeyError, ValueError, TypeError) as exc:
+                yield {"error": f"decode: bad KV chunk: {exc}"}
+                return
+            yield {"ack": True}
+            return
         try:
+            rid = str(request["id"])
+            kv = None
+            if "kv_chunks" in request:
+                got = self._kv_in.pop(rid, {})
+                n = int(request["kv_chunks"])
+                if sorted(got) != list(range(n)):
+                    raise ValueError(f"KV cache of {rid}: received chunks {sorted(got)} of {n}")
+                kv = b"".join(got[i] for i in range(n))
             seq = DecodeSequence(
-                request_id=str(request["id"]),
+                request_id=rid,
                 context_tokens=int(request["context_tokens"]),
                 max_tokens=int(request["max_tokens"]),
                 seed=int(request.get("seed", 0)),
                 generated=[int(request["first_token"])],
+                stop_token_ids=self.stop_token_ids,
+                sampling=Sampling.from_wire(request),
+                kv=kv,
+                kv_meta=dict(request.get("kv_meta") or {}),
             )
             kv_bytes = int(request.get("kv_bytes", 0))
         except (KeyError, ValueError, TypeError) as exc:
@@ -61,6 +86,8 @@ class DecodeWorker:
                 yield {"error": f"decode failed: {item}"}
                 break
             yield {"token": item}
+        if ok and seq.stopped:
+            yield {"finish_reason": "stop"}
         self.metrics.stage_requests.labels(self.stage, "ok" if ok else "error").inc()
 
     def _gauges(self) -> None:
@@ -70,11 +97,22 @@ class DecodeWorker:
     async def run(self) -> None:
         while True:
             while self._waiting and len(self._running) < self.max_batch:
-                seq, q = self._waiting.popleft()
+                seq, q = self._waiting[0]
                 if seq.done:
+                    self._waiting.popleft()
                     q.put_nowait(None)
-                else:
-                    self._running.append((seq, q))
+                    continue
+                if self.slots is not None:  # KV memory is bounded: wait for a slot, never overcommit
+                    if not self.slots.can_admit(seq):
+                        break
+                    try:
+                        await self.slots.admit(seq)
+                    except Exception as exc:
+                        self._waiting.popleft()
+                        q.put_nowait(exc)
+                        continue
+                self._waiting.popleft()
+                self._running.append((seq, q))
             self._gauges()
             if not self._running:
                 self._arrival.clear()
@@ -86,8 +124,9 @@ class DecodeWorker:
                 tokens = await self.engine.decode_step(batch)
             except Exception as exc:
                 log.exception("decode step failed")
-                for _s, q in self._running:
+                for s, q in self._running:
                     q.put_nowait(exc)
+                    self._release(s)
                 self._running.clear()
                 continue
             still: list[tuple[DecodeSequence, asyncio.Queue[Any]]] = []
@@ -96,6 +135,11 @@ class DecodeWorker:
                 q.put_nowait(tok)
                 if seq.done:
                     q.put_nowait(None)
+                    self._release(seq)
                 else:
                     still.append((seq, q))
             self._running = still
+
+    def _release(self, seq: DecodeSequence) -> None:
+        if self.slots is not None:
+            self.slots.release(seq.request_id)
