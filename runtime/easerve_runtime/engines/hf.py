@@ -209,6 +209,8 @@ class HFEncodeEngine(_Stage):
 
         self.processor = load_processor(path, trust_remote_code)
         self.gpu_decode = True
+        self.last_path = ""
+        """How the last micro-batch was preprocessed: ``gpu`` (nvJPEG + processor on CUDA) or ``cpu``."""
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
         return sum(len(r.parts) for r in batch)
@@ -248,6 +250,7 @@ class HFEncodeEngine(_Stage):
             kw.pop("device")
             kw["images"] = [decode_image(p) for p in parts]
             enc = self.processor(**kw)
+        self.last_path = "gpu" if "device" in kw else "cpu"
         ids_all = enc["input_ids"]
         mask_all = enc["attention_mask"]
         with torch.inference_mode():
@@ -524,22 +527,15 @@ class HFDecodeEngine(_Stage):
 
     def _graph_logits(self, ids: Any, pos: Any, n: int) -> Any:
         """CUDA-graph replay of the step for the bucket >= n (captured on first use)."""
-        import torch
 
         b = self._bucket(n)
         if b not in self._graphs:
-            st = {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
-                  "pos": torch.zeros(b, dtype=torch.long, device=self.device)}
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                for _ in range(2):
-                    self._forward(st["ids"], st["pos"], b)
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                st["out"] = self._forward(st["ids"], st["pos"], b)
-            self._graphs[b] = (g, st)
+            try:
+                self._capture(b)
+            except Exception as exc:  # a model whose step cannot be captured still decodes, eagerly
+                log.warning("decode: CUDA graph capture failed (%r); decoding eagerly", exc)
+                self.cuda_graphs = False
+                return self._forward(ids, pos, n)
         g, st = self._graphs[b]
         st["ids"].zero_()
         st["pos"].zero_()  # padding rows (free slots) write at position 0 of a free slot: harmless
@@ -547,6 +543,23 @@ class HFDecodeEngine(_Stage):
         st["pos"][:n] = pos
         g.replay()
         return st["out"][:n]
+
+    def _capture(self, b: int) -> None:
+        """Capture the step over slots 0..b-1 with static ids/positions (warm-up on a side stream first)."""
+        import torch
+
+        st = {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
+              "pos": torch.zeros(b, dtype=torch.long, device=self.device)}
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            for _ in range(2):
+                self._forward(st["ids"], st["pos"], b)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            st["out"] = self._forward(st["ids"], st["pos"], b)
+        self._graphs[b] = (g, st)
 
     def _step_sync(self, batch: Sequence[DecodeSequence]) -> list[int]:
         import torch
