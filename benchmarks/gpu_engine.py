@@ -368,7 +368,7 @@ def bench_split(args: argparse.Namespace, d: Path) -> dict[str, Any]:
         lat: list[float] = []
         prefills = [0]
         enc_stream = pool.full_primary if enc_sms is None else pool.primary(enc_sms)
-        share = 1.0 if enc_sms is None else enc_sms / total
+        share = 1.0 if enc_sms is None else pool.levels[enc_sms].partner_sms / total  # the prefill's own share
 
         def encoder() -> None:
             while not stop.is_set():

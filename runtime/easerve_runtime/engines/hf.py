@@ -346,9 +346,11 @@ class HFPrefillEngine(_Stage):
         import torch
 
         total = int(torch.cuda.get_device_properties(0).multi_processor_count)
-        levels = sorted(self.pool.levels)
-        want = round((1.0 - sm_share) * total)  # sm_share is the encoder's; prefill takes the rest
-        primary = min(levels, key=lambda s: abs((total - s) - want))
+        want = round(sm_share * total)  # this prefill's own SMs (the partner side of the split)
+        levels = self.pool.levels
+        if not levels:
+            return contextlib.nullcontext()
+        primary = min(levels, key=lambda s: abs(levels[s].partner_sms - want))
         return torch.cuda.stream(self.pool.partner(primary))
 
     def prefill_one(self, r: PrefillInput, sm_share: float = 1.0) -> PrefillOutput:

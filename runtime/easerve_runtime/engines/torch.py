@@ -27,6 +27,32 @@ def pick_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
+    """The local prefill's green-context streams, one per ladder level (8-SM steps), when the spec
+    splits the encode GPU with green contexts; None otherwise (or where they cannot be made).
+
+    Kernels of two processes share SMs concurrently only under MPS; without it the split bounds
+    the prefill's SMs but the two processes time-slice (see docs/engine.md, not built yet).
+    """
+    if str(spec.sm_partition.mode) == "none" or str(spec.sm_partition.backend) != "green-context":
+        return None
+    if not device.startswith("cuda"):
+        return None
+    import logging
+
+    import torch
+
+    from easerve_runtime.partition.backends import GreenContextPool
+
+    idx = torch.device(device).index or 0
+    total = int(torch.cuda.get_device_properties(idx).multi_processor_count)
+    try:
+        return GreenContextPool(range(16, total, 8), device=idx)
+    except Exception as exc:  # noqa: BLE001 - serve unpartitioned rather than not at all
+        logging.getLogger("easerve.engine").warning("green contexts unavailable (%r): prefill unpartitioned", exc)
+        return None
+
+
 def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any = None) -> Any:
     """The torch engine of ``stage`` for ``spec`` (validation already required ``spec.model.path``)."""
     from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
@@ -42,6 +68,8 @@ def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any 
     if stage == "encode":
         return HFEncodeEngine(m.path, **kw)
     if stage in ("prefill", "local-prefill"):
+        if pool is None and stage == "local-prefill":
+            pool = green_pool(spec, kw["device"])
         return HFPrefillEngine(m.path, pool=pool, **kw)
     if stage == "decode":
         return HFDecodeEngine(m.path, memory_fraction=spec.engine.kv_memory_fraction, **kw)
