@@ -20,9 +20,12 @@ Remote code (``auto_map`` in the config, e.g. Ultravox) is refused unless the sp
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("easerve.models")
 
 STAGES = ("encode", "lm")
 
@@ -118,8 +121,12 @@ def load_stage(
         raise ModelDirError(f"spec.model.path: {path}: architecture {arch!r} is not a transformers class")
     dt = resolve_dtype(None, device) if dtype is None else dtype
     if random_weights:
-        with torch.device(device):
-            model = cls._from_config(cfg, dtype=dt, attn_implementation=attn_implementation)
+        try:  # initialise straight on the device (a 7B model: seconds on a GPU, minutes on a CPU)
+            with torch.device(device):
+                model = cls._from_config(cfg, dtype=dt, attn_implementation=attn_implementation)
+        except (RuntimeError, ValueError, TypeError) as exc:
+            log.warning("random init on %s failed (%r); initialising on the CPU", device, exc)
+            model = cls._from_config(cfg, dtype=dt, attn_implementation=attn_implementation).to(device)
     else:
         import transformers.utils.logging as tlog
 
