@@ -287,7 +287,7 @@ def _receiver(port_q: Any, done_q: Any, meta: dict[str, Any]) -> None:
                 kv = unpack_kv(b"".join(chunks[i] for i in range(n_expect)), meta)
                 if dst is None:
                     dst = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
-                dst.copy_(kv.pin_memory(), non_blocking=True)
+                dst.copy_(kv)  # pageable H2D, as the decode engine's admit does
                 torch.cuda.synchronize()
                 done_q.put(time.perf_counter())
                 chunks = {}

@@ -577,12 +577,18 @@ class HFDecodeEngine(_Stage):
         pos = torch.tensor([self.length[s.request_id] for s in seqs], device=self.device)
         with torch.inference_mode():
             logits = self._graph_logits(ids, pos, n) if self.cuda_graphs else self._forward(ids, pos, n)
-            logits = logits.float().cpu()
+            greedy = logits.argmax(-1).tolist()  # one device sync for every greedy row
+            hot = [row for row, s in enumerate(seqs) if (self.sampling[s.request_id] or Sampling(0.0)).temperature > 0]
+            rows = logits[hot].float().cpu() if hot else None
         tok: dict[str, int] = {}
         for row, s in enumerate(seqs):
             rid = s.request_id
             self.length[rid] += 1
-            tok[rid] = sample(logits[row], self.sampling[rid], len(s.generated))
+            tok[rid] = int(greedy[row])
+        for j, row in enumerate(hot):
+            s = seqs[row]
+            assert rows is not None
+            tok[s.request_id] = sample(rows[j], self.sampling[s.request_id], len(s.generated))
         return [tok[s.request_id] for s in batch]
 
     async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
