@@ -285,10 +285,12 @@ def _receiver(port_q: Any, done_q: Any, meta: dict[str, Any]) -> None:
             conn.sendall(b'{"ack":true}\n')
             if len(chunks) == n_expect:
                 kv = unpack_kv(b"".join(chunks[i] for i in range(n_expect)), meta)
+                dev = "cuda" if torch.cuda.is_available() else "cpu"
                 if dst is None:
-                    dst = torch.empty(kv.shape, dtype=kv.dtype, device="cuda")
+                    dst = torch.empty(kv.shape, dtype=kv.dtype, device=dev)
                 dst.copy_(kv)  # pageable H2D, as the decode engine's admit does
-                torch.cuda.synchronize()
+                if dev == "cuda":
+                    torch.cuda.synchronize()
                 done_q.put(time.perf_counter())
                 chunks = {}
         conn.close()
