@@ -26,6 +26,22 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
+# The torch engine (engine.backend: torch) and its CPU tests need torch + transformers. PyPI's
+# x86_64 torch wheel is a CUDA build that pulls ~2.5 GB of nvidia-* wheels; torch==2.13.0 is the
+# release this machine kind keeps on disk as a 192 MB CPU build (/opt/wheels, found by pip's
+# find-links), so pinning it costs no download here and still resolves from PyPI elsewhere
+# (there as the CUDA build). EASERVE_TORCH overrides the pin (e.g. 'torch>=2.11' on a GPU box
+# that already has one). Cached in the venv by a stamp, like the project install above.
+TORCH_REQ=${EASERVE_TORCH:-torch==2.13.0}
+TF_REQ='transformers>=5.17,<5.18'
+tstamp=$VENV/.easerve-torch
+twant="$TORCH_REQ $TF_REQ"
+if [ "$(cat "$tstamp" 2>/dev/null)" != "$twant" ]; then
+  say "installing $TORCH_REQ and $TF_REQ into $VENV (torch engine)"
+  "$VENV/bin/pip" install -q "$TORCH_REQ" "$TF_REQ"
+  echo "$twant" > "$tstamp"
+fi
+
 say "Kubernetes control plane binaries (built once from Debian's source package, ~4 min on 2 cores)"
 bash "$HERE/build-k8s.sh"
 say "helm and kubectl"

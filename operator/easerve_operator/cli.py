@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "profile-partition": "easerve_runtime.cli.profile_partition",
     "partition-controller": "easerve_runtime.cli.partition_controller",
     "calibrate-slo": "easerve_runtime.cli.calibrate_slo",
+    "model": "easerve_runtime.cli.model",
 }
 
 

@@ -143,6 +143,14 @@ class Metrics:
             f"{PREFIX}_decode_batch_size", "Sequences per decode step.", buckets=BATCH_BUCKETS, registry=r
         )
 
+        self.kv_handoff_bytes = Counter(
+            f"{PREFIX}_kv_handoff_bytes", "KV cache bytes sent from prefill to decode (torch engine).", registry=r
+        )
+        self.kv_handoff_seconds = Histogram(
+            f"{PREFIX}_kv_handoff_seconds", "Time to move one request's KV cache to its decode worker.",
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5), registry=r,
+        )
+
     def exposition(self) -> str:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry).decode()

@@ -34,7 +34,7 @@ def valid_specs(draw: st.DrawFn) -> dict[str, Any]:
         "model": {"name": draw(st.text("abcdef-/", min_size=1, max_size=20)),
                   "modality": draw(st.sampled_from(["image", "video", "audio"])),
                   "encoder": "clip-vit-l-336"},
-        "engine": {"backend": draw(st.sampled_from(["sim", "torch", "vllm"])), "profile": "llava-v1.6-34b@h200"},
+        "engine": {"backend": "sim", "profile": "llava-v1.6-34b@h200"},  # torch/vllm rules: tests/engines/test_spec_rules.py
         "gpuBudget": gpus + draw(st.integers(0, 8)),
         "allocation": {"encode": {"replicas": e, "tensorParallel": 1},
                        "prefill": {"replicas": p_rep, "tensorParallel": p_tp},

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
-from easerve_runtime.api.spec import DeploymentMode, Modality, PartitionMode
+from easerve_runtime.api.spec import Backend, DeploymentMode, Modality, PartitionMode
 
 if TYPE_CHECKING:
     from easerve_runtime.api.spec import EPDDeploymentSpec
@@ -95,6 +95,29 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
         )
     if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
         errs.append(SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static"))
+    errs += engine_errors(spec)
+    return errs
+
+
+def engine_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    """What the real engines cannot serve yet, refused at admission rather than at worker start."""
+    errs: list[SpecError] = []
+    backend = spec.engine.backend
+    if backend == Backend.VLLM:
+        errs.append(SpecError("spec.engine.backend", "vllm is not supported yet (no adapter); use torch or sim"))
+    if backend != Backend.TORCH:
+        return errs
+    a = spec.allocation
+    for stage, alloc in (("prefill", a.prefill), ("decode", a.decode)):
+        if alloc.tensor_parallel != 1:
+            errs.append(
+                SpecError(
+                    f"spec.allocation.{stage}.tensorParallel",
+                    f"is {alloc.tensor_parallel}, but the torch engine runs TP 1 per worker (tensor parallel is not built yet)",
+                )
+            )
+    if spec.model.path is None:
+        errs.append(SpecError("spec.model.path", "is required when spec.engine.backend is torch (a model directory)"))
     return errs
 
 

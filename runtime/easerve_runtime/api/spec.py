@@ -98,6 +98,25 @@ class ModelSpec(Model):
         default=None, description="Name clients put in the request's model field; defaults to name."
     )
     encoder: str = Field(min_length=1, description="Encoder id, e.g. clip-vit-l-336, whisper-large-v3.")
+    path: str | None = Field(
+        default=None,
+        min_length=1,
+        description=(
+            "Model directory in the Hugging Face layout (config, safetensors, tokenizer, processor, chat "
+            "template) as the pods see it; required by engine.backend torch. Never fetched from a hub."
+        ),
+    )
+    random_weights: bool = Field(
+        default=False,
+        description="torch engine: random weights from the config alone (benchmarks; outputs are meaningless).",
+    )
+    trust_remote_code: bool = Field(
+        default=False,
+        description=(
+            "torch engine: allow the model directory's own Python code (e.g. Ultravox). That code runs with "
+            "the worker's privileges; leave false unless you trust the directory's author."
+        ),
+    )
 
 
 class EngineSpec(Model):

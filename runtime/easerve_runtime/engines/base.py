@@ -43,12 +43,34 @@ class MediaPart:
 
 
 @dataclass(frozen=True)
+class Sampling:
+    """Per-request sampling: ``temperature <= 0`` is greedy; ``top_p`` nucleus; ``seed`` makes it repeatable."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+    @classmethod
+    def from_wire(cls, d: Mapping[str, Any]) -> Sampling:
+        return cls(float(d.get("temperature", 1.0)), float(d.get("top_p", 1.0)), int(d.get("seed", 0)))
+
+    def wire(self) -> dict[str, Any]:
+        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed}
+
+
+@dataclass(frozen=True)
 class EncodeInput:
-    """The encode stage's view of one request."""
+    """The encode stage's view of one request.
+
+    ``messages`` is the chat with media parts reduced to ``{"type": kind}`` placeholders (in
+    order, matching ``parts``): a real engine applies the model's chat template and processor to
+    it and returns the prompt's token ids with the embeddings; the sim engine ignores it.
+    """
 
     request_id: str
     parts: tuple[MediaPart, ...]
     seed: int = 0
+    messages: tuple[Mapping[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +85,8 @@ class Embedding:
     data: bytes
     shape: tuple[int, ...]
     dtype: str
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """JSON-able facts the prefill needs with the rows (a real engine: ``input_ids``, ``text_tokens``)."""
 
     @property
     def tokens(self) -> int:
@@ -77,6 +101,10 @@ class PrefillInput:
     text_tokens: int
     mm_tokens: int
     seed: int = 0
+    embedding: Any = None
+    """The embedding rows as an array (``(mm_tokens, hidden)``), or None; the sim engine ignores it."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    sampling: Sampling | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -95,6 +123,9 @@ class PrefillOutput:
     request_id: str
     first_token: int
     kv_bytes: int
+    kv: bytes | None = None
+    """The KV cache itself (a real engine), ``kv_bytes`` long, laid out as ``kv_meta`` says."""
+    kv_meta: Mapping[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,10 +137,19 @@ class DecodeSequence:
     max_tokens: int
     seed: int = 0
     generated: list[int] = field(default_factory=list)
+    stop_token_ids: tuple[int, ...] = ()
+    sampling: Sampling | None = None
+    kv: bytes | None = None
+    kv_meta: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        """The last token is a stop token (finish reason ``stop``)."""
+        return bool(self.generated) and self.generated[-1] in self.stop_token_ids
 
     @property
     def done(self) -> bool:
-        return len(self.generated) >= self.max_tokens
+        return len(self.generated) >= self.max_tokens or self.stopped
 
 
 @runtime_checkable
@@ -139,6 +179,22 @@ class DecodeEngine(Protocol):
     async def receive_kv(self, kv_bytes: int) -> None:
         """Account for receiving a KV cache of ``kv_bytes`` from prefill (sim: a modelled wait)."""
         ...
+
+
+@runtime_checkable
+class SlotDecodeEngine(DecodeEngine, Protocol):
+    """A decode engine that holds each running sequence's KV cache in a bounded set of slots.
+
+    The worker asks ``can_admit`` before a waiting sequence joins (admission waits while memory
+    is full, never OOMs), ``admit`` loads its KV (``seq.kv``) at a step boundary, and
+    ``release`` frees the slot when it leaves.
+    """
+
+    def can_admit(self, seq: DecodeSequence) -> bool: ...
+
+    async def admit(self, seq: DecodeSequence) -> None: ...
+
+    def release(self, request_id: str) -> None: ...
 
 
 class Engine(EncodeEngine, PrefillEngine, DecodeEngine, Protocol):

@@ -1,18 +1,76 @@
-"""Placeholder for a torch engine covering prefill and decode.
+"""``engine.backend: torch``: the engine of one stage, built from ``spec.model``.
 
-The real GPU encoder lives in ``engines/torch_encode.py`` (the SM-partitioning work) and
-implements :class:`easerve_runtime.engines.base.EncodeEngine`. Prefill and decode on GPU are
-out of scope for now: the sim engine models them from measured profiles.
+Encode gets :class:`~easerve_runtime.engines.hf.HFEncodeEngine` (tower + projector + processor),
+prefill and local prefill :class:`~easerve_runtime.engines.hf.HFPrefillEngine`, decode
+:class:`~easerve_runtime.engines.hf.HFDecodeEngine` (language model + KV slots). The device is
+CUDA when torch sees one (``EASERVE_DEVICE`` overrides, e.g. ``cpu`` or ``cuda:1``).
+
+The random-weight GPU encoders used by the partition profiler stay in ``engines/torch_encode.py``.
 """
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 from easerve_runtime.api import EPDDeploymentSpec
 
+DEVICE_ENV = "EASERVE_DEVICE"
 
-def make_torch_engine(spec: EPDDeploymentSpec) -> object:
-    """Fail loudly: a torch prefill/decode engine is not built yet."""
-    raise NotImplementedError(
-        "spec.engine.backend=torch: only the encoder has a torch implementation "
-        "(easerve_runtime.engines.torch_encode); prefill/decode need backend 'sim' for now"
-    )
+
+def pick_device() -> str:
+    dev = os.environ.get(DEVICE_ENV)
+    if dev:
+        return dev
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
+    """The local prefill's green-context streams, one per ladder level (8-SM steps), when the spec
+    splits the encode GPU with green contexts; None otherwise (or where they cannot be made).
+
+    Kernels of two processes share SMs concurrently only under MPS; without it the split bounds
+    the prefill's SMs but the two processes time-slice (see docs/engine.md, not built yet).
+    """
+    if str(spec.sm_partition.mode) == "none" or str(spec.sm_partition.backend) != "green-context":
+        return None
+    if not device.startswith("cuda"):
+        return None
+    import logging
+
+    import torch
+
+    from easerve_runtime.partition.backends import GreenContextPool
+
+    idx = torch.device(device).index or 0
+    total = int(torch.cuda.get_device_properties(idx).multi_processor_count)
+    try:
+        return GreenContextPool(range(16, total, 8), device=idx)
+    except Exception as exc:  # noqa: BLE001 - serve unpartitioned rather than not at all
+        logging.getLogger("easerve.engine").warning("green contexts unavailable (%r): prefill unpartitioned", exc)
+        return None
+
+
+def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any = None) -> Any:
+    """The torch engine of ``stage`` for ``spec`` (validation already required ``spec.model.path``)."""
+    from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
+
+    m = spec.model
+    if not m.path:
+        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
+    kw: dict[str, Any] = {
+        "device": pick_device(),
+        "random_weights": m.random_weights,
+        "trust_remote_code": m.trust_remote_code,
+    }
+    if stage == "encode":
+        return HFEncodeEngine(m.path, **kw)
+    if stage in ("prefill", "local-prefill"):
+        if pool is None and stage == "local-prefill":
+            pool = green_pool(spec, kw["device"])
+        return HFPrefillEngine(m.path, pool=pool, **kw)
+    if stage == "decode":
+        return HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
+    raise ValueError(f"no torch engine for stage {stage!r}")

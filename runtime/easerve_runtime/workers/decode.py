@@ -7,6 +7,10 @@ running batch. Who joins is decided by the shared admission policy
 at most ``maxSequences`` running, and a sequence joins only when its KV cache at full length
 (prompt + ``max_tokens``) fits in the worker's KV capacity next to the running ones' reservations.
 A sequence that does not fit waits (its client sees a later first decode token), never OOMs.
+
+With a real engine that keeps KV caches in fixed slots (``SlotDecodeEngine``), the capacity is
+the engine's slot count and each sequence needs one slot; the handed-over KV cache arrives in
+chunks (``kv_chunk`` messages, see ``wire.py``) before the request that claims it.
 """
 
 from __future__ import annotations
@@ -18,9 +22,10 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from easerve_runtime.api import DecodeSpec, EPDDeploymentSpec
-from easerve_runtime.engines.base import DecodeEngine, DecodeSequence
+from easerve_runtime.engines.base import DecodeEngine, DecodeSequence, Sampling, SlotDecodeEngine
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.decode_admission import DecodeAdmission
+from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.decode")
 
@@ -43,12 +48,18 @@ class DecodeWorker:
         cache of one sequence of ``tokens`` (the profile's), to reserve each at full length."""
         self.engine = engine
         self.metrics = metrics
+        self.slots: SlotDecodeEngine | None = engine if isinstance(engine, SlotDecodeEngine) else None
+        if admission is None and self.slots is not None:  # one fixed slot per sequence: count slots
+            admission = DecodeAdmission(DecodeSpec().max_sequences, float(getattr(engine, "slots", math.inf)))
+            kv_bytes = kv_bytes or (lambda _tokens: 1.0)
         self.admission: DecodeAdmission[Entry] = admission or DecodeAdmission(
             DecodeSpec().max_sequences, math.inf
         )
         self.kv_bytes = kv_bytes or (lambda tokens: 0.0)
         self._running: list[Entry] = []
         self._arrival = asyncio.Event()
+        self._kv_in: dict[str, dict[int, bytes]] = {}
+        self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, engine: DecodeEngine, metrics: Metrics) -> DecodeWorker:
@@ -57,14 +68,17 @@ class DecodeWorker:
         else from the latency profile (``kv_budget_bytes(tp, memory_fraction)``), the same figure
         the twin admits by."""
         d = spec.decode
+        if isinstance(engine, SlotDecodeEngine):  # one fixed slot per sequence: count slots
+            slots = float(getattr(engine, "slots", math.inf))
+            return cls(engine, metrics, admission=DecodeAdmission.for_spec(d, slots), kv_bytes=lambda _t: 1.0)
         profile = getattr(engine, "profile", None)
         if not (
             callable(getattr(profile, "kv_budget_bytes", None))
             and callable(getattr(profile, "kv_bytes", None))
         ):
-            from easerve_runtime.profiles import load_profile
+            from easerve_runtime.profiles import spec_profile
 
-            profile = load_profile(spec.engine.profile)
+            profile = spec_profile(spec)
         report = getattr(engine, "kv_capacity_bytes", None)
         if callable(report):
             capacity = float(report(d.kv_memory_fraction))
@@ -77,13 +91,34 @@ class DecodeWorker:
         )
 
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        if "kv_chunk" in request:  # a piece of a KV cache that a request will claim (see wire.py)
+            try:
+                c = request["kv_chunk"]
+                self._kv_in.setdefault(str(c["id"]), {})[int(c["seq"])] = b64d(c["b64"])
+            except (KeyError, ValueError, TypeError) as exc:
+                yield {"error": f"decode: bad KV chunk: {exc}"}
+                return
+            yield {"ack": True}
+            return
         try:
+            rid = str(request["id"])
+            kv = None
+            if "kv_chunks" in request:
+                got = self._kv_in.pop(rid, {})
+                n = int(request["kv_chunks"])
+                if sorted(got) != list(range(n)):
+                    raise ValueError(f"KV cache of {rid}: received chunks {sorted(got)} of {n}")
+                kv = b"".join(got[i] for i in range(n))
             seq = DecodeSequence(
-                request_id=str(request["id"]),
+                request_id=rid,
                 context_tokens=int(request["context_tokens"]),
                 max_tokens=int(request["max_tokens"]),
                 seed=int(request.get("seed", 0)),
                 generated=[int(request["first_token"])],
+                stop_token_ids=self.stop_token_ids,
+                sampling=Sampling.from_wire(request),
+                kv=kv,
+                kv_meta=dict(request.get("kv_meta") or {}),
             )
             kv_bytes = int(request.get("kv_bytes", 0))
         except (KeyError, ValueError, TypeError) as exc:
@@ -105,6 +140,8 @@ class DecodeWorker:
                 yield {"error": f"decode failed: {item}"}
                 break
             yield {"token": item}
+        if ok and seq.stopped:
+            yield {"finish_reason": "stop"}
         self.metrics.stage_requests.labels(self.stage, "ok" if ok else "error").inc()
 
     def _gauges(self) -> None:
@@ -119,8 +156,15 @@ class DecodeWorker:
                 if seq.done:
                     q.put_nowait(None)
                     self.admission.finish(need)
-                else:
-                    self._running.append(entry)
+                    continue
+                if self.slots is not None:  # admission counted the slot; load the KV into it
+                    try:
+                        await self.slots.admit(seq)
+                    except Exception as exc:
+                        q.put_nowait(exc)
+                        self.admission.finish(need)
+                        continue
+                self._running.append(entry)
             self._gauges()
             if not self._running:
                 self._arrival.clear()
@@ -132,9 +176,9 @@ class DecodeWorker:
                 tokens = await self.engine.decode_step(batch)
             except Exception as exc:
                 log.exception("decode step failed")
-                for _s, q, need in self._running:
+                for s, q, need in self._running:
                     q.put_nowait(exc)
-                    self.admission.finish(need)
+                    self._release(s, need)
                 self._running.clear()
                 continue
             still: list[Entry] = []
@@ -144,7 +188,12 @@ class DecodeWorker:
                 q.put_nowait(tok)
                 if seq.done:
                     q.put_nowait(None)
-                    self.admission.finish(need)
+                    self._release(seq, need)
                 else:
                     still.append(entry)
             self._running = still
+
+    def _release(self, seq: DecodeSequence, need: float) -> None:
+        self.admission.finish(need)
+        if self.slots is not None:
+            self.slots.release(seq.request_id)

@@ -48,6 +48,8 @@ def embedding_array(emb: Embedding) -> np.ndarray[Any, Any]:
         n *= x
     if len(emb.data) == n * 2 and emb.shape:
         return np.frombuffer(emb.data, dtype=np.uint16).reshape(emb.shape)  # bf16 carried as raw 2 bytes
+    if emb.dtype in ("float32", "float16") and emb.shape and len(emb.data) == n * np.dtype(emb.dtype).itemsize:
+        return np.frombuffer(emb.data, dtype=np.dtype(emb.dtype)).reshape(emb.shape)  # a CPU engine's rows
     return np.frombuffer(emb.data, dtype=np.uint8)
 
 
@@ -138,7 +140,9 @@ class EncodeWorker:
         for _req, _parts, t in d.items:
             m.encode_queue_wait.observe(max(0.0, d.at - t))
         inputs = [
-            EncodeInput(str(req["id"]), tuple[MediaPart, ...](parts), int(req.get("seed", 0)))
+            EncodeInput(
+                str(req["id"]), tuple[MediaPart, ...](parts), int(req.get("seed", 0)), tuple(req.get("messages") or ())
+            )
             for req, parts, _t in d.items
         ]
         items_of = getattr(self.engine, "batch_items", None)
@@ -166,7 +170,9 @@ class EncodeWorker:
                 req, emb = by_id[rid]
                 m.routed.labels(route).inc()
                 entries.append((rid, dest, embedding_array(emb)))
-                metas.setdefault(dest, []).append(request_meta(req, emb.tokens) | {"route": route})
+                # a real engine's extra (prompt token ids, the tokenizer's text-token count) overrides the estimate
+                meta = request_meta(req, emb.tokens) | {"route": route} | dict(emb.extra)
+                metas.setdefault(dest, []).append(meta)
         m.deficit.set(self.router.deficit.deficit)
         for dest, env in build_envelopes(entries).items():
             while not self.window.try_acquire():
@@ -216,6 +222,7 @@ class EncodeWorker:
                             "done": True,
                             "route": r["route"],
                             "prompt_tokens": r["text_tokens"] + r["mm_tokens"],
+                            "finish_reason": item.get("finish_reason"),
                         },
                     )
                     self.streams.close(rid)

@@ -53,6 +53,19 @@ class Frontend:
         self.served_names = tuple(dict.fromkeys(names))
         self.inflight = 0
         self.draining = False
+        self.tokenizer: Any = None
+        if str(self.spec.engine.backend) == "torch" and self.spec.model.path:
+            from easerve_runtime.models.loading import load_tokenizer
+
+            self.tokenizer = load_tokenizer(self.spec.model.path, self.spec.model.trust_remote_code)
+
+    def renderer(self) -> Any:
+        """Per request: token id -> text delta (the model's tokenizer, incremental; sim: a word per token)."""
+        if self.tokenizer is None:
+            return render_token
+        from easerve_runtime.models.loading import Detokenizer
+
+        return Detokenizer(self.tokenizer).push
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=MAX_BODY_BYTES)
@@ -119,6 +132,9 @@ class Frontend:
             "max_tokens": req.max_tokens,
             "priority": req.priority,
             "parts": [part_to_wire(p) for p in req.parts],
+            "messages": req.messages,
+            "temperature": req.temperature,
+            "top_p": req.top_p,
         }
 
     def _finish(self, ok: bool, t0: float, first: float | None, last: float | None, n: int) -> None:
@@ -172,8 +188,9 @@ class Frontend:
             return web.json_response(_error_body(status, str(exc), "upstream_error"), status=status)
         self._finish(True, t0, first, last, len(tokens))
         self.metrics.output_tokens.inc(len(tokens))
-        text = "".join(render_token(t) for t in tokens)
-        finish = "length"
+        render = self.renderer()
+        text = "".join(render(t) for t in tokens)
+        finish = str(info.get("finish_reason") or "length")
         body = {
             "id": rid,
             "object": "chat.completion",
@@ -194,6 +211,7 @@ class Frontend:
         started = False
         n = 0
         first = last = None
+        render = self.renderer()
 
         def chunk(delta: dict[str, Any], finish: str | None = None, **extra: Any) -> bytes:
             obj = {
@@ -214,7 +232,7 @@ class Frontend:
                 if kind == "token":
                     last = time.monotonic()
                     first = first or last
-                    delta = {"content": render_token(val)}
+                    delta = {"content": render(val)}
                     if n == 0:
                         delta["role"] = "assistant"
                     n += 1
@@ -223,7 +241,7 @@ class Frontend:
                     extra: dict[str, Any] = {"easerve": {"route": val.get("route")}}
                     if req.include_usage:
                         extra["usage"] = self._usage(int(val.get("prompt_tokens", req.text_tokens)), n)
-                    await resp.write(chunk({}, "length", **extra))
+                    await resp.write(chunk({}, str(val.get("finish_reason") or "length"), **extra))
             await resp.write(b"data: [DONE]\n\n")
         except StageError as exc:
             self._finish(False, t0, None, None, 0)

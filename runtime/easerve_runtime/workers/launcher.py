@@ -326,7 +326,8 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
     signal.signal(signal.SIGINT, on_signal)
     launcher.start()
     try:
-        launcher.wait_ready()
+        # torch workers import torch/transformers and load weights before they turn healthy
+        launcher.wait_ready(READY_TIMEOUT_S * (5 if str(spec.engine.backend) == "torch" else 1))
     except (RuntimeError, TimeoutError) as exc:
         log.error("%s", exc)
         launcher.stop(grace=5.0)

@@ -53,7 +53,7 @@ def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
     if backend == Backend.TORCH:
         from easerve_runtime.engines.torch import make_torch_engine
 
-        return make_torch_engine(spec)
+        return make_torch_engine(spec, stage)
     raise ValueError(f"spec.engine.backend: {backend!r} is not supported by the runtime yet (use sim)")
 
 

@@ -63,6 +63,10 @@ class ChatRequest:
     seed: int
     include_usage: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    """The chat with each media part reduced to ``{"type": kind}`` (a real engine applies the template)."""
+    temperature: float = 1.0
+    top_p: float = 1.0
 
 
 def _bad(path: str, msg: str, status: int = 400) -> RequestError:
@@ -177,6 +181,31 @@ def _video_ok(data: bytes) -> bool:
     return data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3" or data[:4] == b"RIFF"
 
 
+def _number(body: dict[str, Any], key: str, lo: float, hi: float, default: float) -> float:
+    v = body.get(key, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise _bad(key, f"must be a number, got {type(v).__name__}")
+    if not lo <= v <= hi:
+        raise _bad(key, f"must be between {lo} and {hi}, got {v}")
+    return float(v)
+
+
+def _stripped(content: Any) -> Any:
+    """A message's content with media parts reduced to their kind (what the chat template needs)."""
+    if not isinstance(content, list):
+        return content
+    out = []
+    for p in content:
+        kind = p.get("type") if isinstance(p, dict) else None
+        if kind == "text":
+            out.append({"type": "text", "text": p.get("text", "")})
+        else:
+            out.append({"type": {"image_url": "image", "input_audio": "audio", "video_url": "video"}.get(str(kind), str(kind))})
+    return out
+
+
 def _part(path: str, part: Any, accepts: tuple[str, ...]) -> tuple[MediaPart | None, int]:
     """One content part -> (media part or None, text characters)."""
     if not isinstance(part, dict):
@@ -281,7 +310,15 @@ def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) 
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise _bad("seed", "must be an integer")
     text_tokens = max(1, math.ceil(chars / CHARS_PER_TOKEN))
+    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise _bad("top_p", "must be greater than 0")
+    stripped = [{"role": m["role"], "content": _stripped(m.get("content"))} for m in messages]
     return ChatRequest(
+        messages=stripped,
+        temperature=temperature,
+        top_p=top_p,
         model=model,
         parts=parts,
         text_tokens=text_tokens,

@@ -13,21 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from easerve_runtime.api import PrefillSpec
-from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput
+from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput, Sampling
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
 from easerve_runtime.policies.prefill_batch import PrefillBatcher
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
-from easerve_runtime.workers.wire import b64d
+from easerve_runtime.workers.wire import b64d, b64e
 
 log = logging.getLogger("easerve.prefill")
 
 Pending = tuple[dict[str, Any], "asyncio.Queue[dict[str, Any]]"]
+KV_CHUNK_BYTES = 4 << 20
+"""KV cache bytes per request-plane message to decode (4 MiB: well under Dynamo's TCP message cap)."""
+KV_CHUNKS_IN_FLIGHT = 4
 
 
 class PrefillWorker:
@@ -52,6 +56,10 @@ class PrefillWorker:
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = 0
+        self._rows: dict[str, Any] = {}
+        """Embedding rows per queued request (a real engine merges them; the sim engine ignores them)."""
+        self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
+        self.kv_chunk_bytes = KV_CHUNK_BYTES
 
     async def generate(self, envelope: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
@@ -68,6 +76,8 @@ class PrefillWorker:
         yield {"ack": True}
         q: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
         for meta in metas:
+            if meta["id"] in arrays:
+                self._rows[meta["id"]] = arrays[meta["id"]]
             self.batcher.add((meta, q), int(meta["text_tokens"]) + int(meta["mm_tokens"]))
         self._inflight += len(metas)
         self._gauges()
@@ -95,7 +105,10 @@ class PrefillWorker:
             batch, _tokens = self.batcher.take()
             self._gauges()
             inputs = [
-                PrefillInput(m["id"], int(m["text_tokens"]), int(m["mm_tokens"]), int(m["seed"]))
+                PrefillInput(
+                    m["id"], int(m["text_tokens"]), int(m["mm_tokens"]), int(m["seed"]),
+                    embedding=self._rows.pop(m["id"], None), extra=m, sampling=Sampling.from_wire(m),
+                )
                 for m, _ in batch
             ]
             share = self.partition.share(len(inputs)) if self.partition is not None else self.sm_share()
@@ -112,6 +125,9 @@ class PrefillWorker:
                 self.partition.idle()
             for (meta, q), out in zip(batch, outs, strict=True):
                 q.put_nowait({"id": meta["id"], "token": out.first_token})
+                if out.first_token in self.stop_token_ids:
+                    q.put_nowait({"id": meta["id"], "done": True, "finish_reason": "stop"})
+                    continue
                 if int(meta["max_tokens"]) <= 1:
                     q.put_nowait({"id": meta["id"], "done": True})
                     continue
@@ -131,20 +147,53 @@ class PrefillWorker:
             "first_token": out.first_token,
             "kv_bytes": out.kv_bytes,
             "priority": int(meta.get("priority", 0)),
+            **Sampling.from_wire(meta).wire(),
         }
         expected = int(meta["max_tokens"]) - 1
         got = 0
+        finish = None
         try:
-            async for item in self.decode.stream(req):
+            instance = None
+            if out.kv is not None:  # a real engine: move the KV bytes to one decode instance first
+                instance = self.decode.pick()
+                req["kv_meta"] = dict(out.kv_meta)
+                req["kv_chunks"] = await self._send_kv(rid, out.kv, instance)
+            async for item in self.decode.stream(req, instance=instance):
                 if "error" in item:
                     raise StageError(str(item["error"]))
+                if "finish_reason" in item:
+                    finish = item["finish_reason"]
+                    continue
                 got += 1
                 q.put_nowait({"id": rid, "token": item["token"]})
-            if got != expected:
+            if got != expected and finish != "stop":
                 raise StageError(f"decode stream ended after {got} of {expected} tokens")
-            q.put_nowait({"id": rid, "done": True})
+            q.put_nowait({"id": rid, "done": True, "finish_reason": finish or "length"})
         except StageError as exc:
             q.put_nowait({"id": rid, "error": str(exc)})
         except Exception as exc:  # never leave a request hanging
             log.exception("handoff failed")
             q.put_nowait({"id": rid, "error": f"decode handoff failed: {exc}"})
+
+    async def _send_kv(self, rid: str, kv: bytes, instance: int) -> int:
+        """Send ``kv`` to decode ``instance`` in chunks, a few in flight; returns the chunk count."""
+        size = max(1, self.kv_chunk_bytes)
+        n = max(1, -(-len(kv) // size))
+        view = memoryview(kv)
+
+        async def one(i: int) -> None:
+            msg = {"kv_chunk": {"id": rid, "seq": i, "of": n, "b64": b64e(bytes(view[i * size : (i + 1) * size]))}}
+            acked = False
+            async for item in self.decode.stream(msg, instance=instance):
+                if "error" in item:
+                    raise StageError(str(item["error"]))
+                acked = acked or bool(item.get("ack"))
+            if not acked:
+                raise StageError(f"decode did not acknowledge KV chunk {i} of {rid}")
+
+        t0 = time.monotonic()
+        for start in range(0, n, KV_CHUNKS_IN_FLIGHT):
+            await asyncio.gather(*(one(i) for i in range(start, min(n, start + KV_CHUNKS_IN_FLIGHT))))
+        self.metrics.kv_handoff_bytes.inc(len(kv))
+        self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
+        return n

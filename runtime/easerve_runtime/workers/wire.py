@@ -21,7 +21,11 @@ Prefill -> decode (``<ns>.decode.generate``), one request after prefill::
 
     {"id", "seed", "context_tokens", "max_tokens", "first_token", "kv_bytes", "priority"}
 
-  streams back ``{"token": int}`` for tokens 2..max_tokens (the first came from prefill).
+  streams back ``{"token": int}`` for tokens 2..max_tokens (the first came from prefill), and
+  ``{"finish_reason": "stop"}`` last when a stop token ended it early. A real engine first sends
+  the KV cache to the same instance as ``{"kv_chunk": {"id", "seq", "of", "b64"}}`` messages (each
+  answered ``{"ack": true}``), then the request above with ``"kv_meta"`` and ``"kv_chunks"`` and
+  the sampling fields ``"temperature"``, ``"top_p"``.
 
 Tokens travel as integer ids; the frontend renders them to text. Binary data is base64 because
 the request plane carries JSON-like objects.
@@ -55,7 +59,7 @@ def part_from_wire(d: dict[str, Any]) -> MediaPart:
 
 def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
     """The per-request part of an envelope (everything but the media)."""
-    return {
+    meta = {
         "id": req["id"],
         "seed": int(req.get("seed", 0)),
         "text_tokens": int(req["text_tokens"]),
@@ -63,3 +67,7 @@ def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
         "max_tokens": int(req["max_tokens"]),
         "priority": int(req.get("priority", 0)),
     }
+    for k in ("temperature", "top_p"):  # sampling, when the client set it (the sim engine ignores it)
+        if k in req:
+            meta[k] = float(req[k])
+    return meta

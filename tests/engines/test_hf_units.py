@@ -1,0 +1,79 @@
+"""Small pieces of the torch engine: sampling, the KV codec, remote-code refusal, detokenization."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+
+def test_sampling_greedy_top_p_and_seed() -> None:
+    import torch
+    from easerve_runtime.engines.base import Sampling
+    from easerve_runtime.engines.hf import sample
+
+    logits = torch.tensor([0.1, 2.0, 1.9, -3.0])
+    assert sample(logits, Sampling(temperature=0.0), 0) == 1
+    assert sample(logits, None, 5) == 1  # no sampling given: greedy
+    # a nucleus smaller than the top token's mass keeps only the top token
+    assert {sample(logits, Sampling(1.0, 0.01, s), 0) for s in range(20)} == {1}
+    draws = [sample(logits, Sampling(2.0, 1.0, 7), p) for p in range(50)]
+    assert draws == [sample(logits, Sampling(2.0, 1.0, 7), p) for p in range(50)]  # seeded
+    assert len(set(draws)) > 1  # and really sampled
+    assert 3 in {sample(logits, Sampling(50.0, 1.0, s), 0) for s in range(200)}  # hot: the tail appears
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kv_pack_unpack_round_trip(dtype: str) -> None:
+    import torch
+    from easerve_runtime.engines.hf import pack_kv, unpack_kv
+
+    class Layer:
+        def __init__(self) -> None:
+            self.keys = torch.randn(1, 2, 5, 4).to(getattr(torch, dtype))
+            self.values = torch.randn(1, 2, 5, 4).to(getattr(torch, dtype))
+
+    class Cache:
+        layers = [Layer(), Layer(), Layer()]
+
+    data, meta = pack_kv(Cache())
+    assert meta == {"shape": [3, 2, 2, 5, 4], "dtype": dtype}
+    kv = unpack_kv(data, meta)
+    for i, layer in enumerate(Cache.layers):
+        assert torch.equal(kv[i, 0], layer.keys[0]) and torch.equal(kv[i, 1], layer.values[0])
+    with pytest.raises(ValueError, match="bytes received"):
+        unpack_kv(data[:-2], meta)
+
+
+def test_remote_code_is_refused_unless_the_spec_opts_in(tmp_path: Path) -> None:
+    from easerve_runtime.models.loading import ModelDirError, check_remote_code
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "ultravox", "auto_map": {"AutoConfig": "x.Y"}}))
+    with pytest.raises(ModelDirError, match=r"spec.model.trustRemoteCode"):
+        check_remote_code(tmp_path, trust_remote_code=False)
+    check_remote_code(tmp_path, trust_remote_code=True)
+
+
+def test_incremental_detokenization_matches_a_full_decode(model_dirs: dict[str, Path]) -> None:
+    from easerve_runtime.models.loading import Detokenizer, load_tokenizer
+
+    tok = load_tokenizer(model_dirs["llava-next"])
+    ids = tok("The quick brown fox, naïve café — 1 2 3.")["input_ids"]
+    d = Detokenizer(tok)
+    assert "".join(d.push(i) for i in ids) == tok.decode(ids, skip_special_tokens=True)
+
+
+def test_stage_loading_reads_only_its_weights(model_dirs: dict[str, Path]) -> None:
+    from easerve_runtime.models.loading import load_stage
+
+    d = model_dirs["llava-next"]
+    enc = load_stage(d, "encode").model
+    lm = load_stage(d, "lm").model
+
+    def n_params(module: object) -> int:
+        return sum(p.numel() for p in module.parameters())  # type: ignore[attr-defined]
+
+    assert len(enc.model.language_model.layers) == 0 and len(lm.model.language_model.layers) == 2
+    assert n_params(enc.model.vision_tower) > 3 * n_params(lm.model.vision_tower)  # lm: the tower at depth 0
+    assert n_params(lm.model.language_model) > 100 * n_params(enc.model.language_model)

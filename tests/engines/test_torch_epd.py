@@ -1,0 +1,231 @@
+"""The torch engine through the real E/P/D workers on the CPU, against transformers' own generate.
+
+Dynamo's request plane is replaced by direct calls (as in tests/runtime/test_workers_inproc.py);
+everything else is real: the tiny LLaVA-NeXT directory made by ``easerve model init``, its
+processor and chat template, the encoder, the model's own merge, the KV cache packed, chunked
+and copied into decode slots, and continuous batching. ``easerve serve`` over Dynamo is covered
+by test_torch_serve.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from easerve_runtime.api import parse_spec
+from easerve_runtime.engines.base import MediaPart
+from easerve_runtime.metrics import Metrics
+from easerve_runtime.workers.decode import DecodeWorker
+from easerve_runtime.workers.encode import EncodeWorker
+from easerve_runtime.workers.pool import StageError
+from easerve_runtime.workers.prefill import PrefillWorker
+from easerve_runtime.workers.wire import part_to_wire
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 10
+
+
+class DirectPool:
+    """One instance per handler, called directly; least outstanding first."""
+
+    def __init__(self, handlers: dict[int, Callable[..., AsyncIterator[Any]]], name: str) -> None:
+        self.handlers = handlers
+        self.name = name
+        self.outstanding: dict[int, int] = {}
+
+    def instances(self) -> list[int]:
+        return sorted(self.handlers)
+
+    def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int:
+        ids = [i for i in self.instances() if not exclude or i not in exclude]
+        if not ids:
+            raise StageError(f"no live {self.name} instance", retryable=True)
+        return min(ids, key=lambda i: self.outstanding.get(i, 0) + (extra or {}).get(i, 0))
+
+    async def stream(self, request: Any, instance: int | None = None, weight: int = 1) -> AsyncIterator[Any]:
+        iid = instance if instance is not None else self.pick()
+        self.outstanding[iid] = self.outstanding.get(iid, 0) + weight
+        try:
+            async for item in self.handlers[iid](request):
+                yield item
+        finally:
+            self.outstanding[iid] -= weight
+
+
+def image(seed: int, h: int, w: int) -> Any:
+    from PIL import Image
+
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+
+
+def request(i: int, max_tokens: int = MAX_TOKENS) -> tuple[dict[str, Any], Any, list[dict[str, Any]]]:
+    img = image(i, 30 + 7 * i, 60 - 5 * i)
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": f"Describe picture {i}."}]}]
+    part = MediaPart("image", buf.getvalue(), "image/png", {"height": img.height, "width": img.width})
+    wire = {"id": f"r{i}", "seed": i, "text_tokens": 1, "max_tokens": max_tokens, "priority": 0,
+            "parts": [part_to_wire(part)], "messages": msgs, "temperature": 0.0, "top_p": 1.0}
+    return wire, img, msgs
+
+
+@pytest.fixture(scope="module")
+def llava(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["llava-next"]
+
+
+@pytest.fixture(scope="module")
+def engines(llava: Path) -> dict[str, Any]:
+    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+
+    return {"encode": HFEncodeEngine(llava), "prefill": HFPrefillEngine(llava)}
+
+
+@pytest.fixture(scope="module")
+def reference(llava: Path) -> Callable[[int], list[int]]:
+    """transformers' own single-process greedy generate of the same directory, prompt and image."""
+    import transformers
+
+    proc = transformers.AutoProcessor.from_pretrained(llava)
+    cfg = transformers.AutoConfig.from_pretrained(llava)
+    model = getattr(transformers, cfg.architectures[0]).from_pretrained(llava).eval()
+    cache: dict[int, list[int]] = {}
+
+    def ref(i: int) -> list[int]:
+        if i not in cache:
+            _, img, msgs = request(i)
+            inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True)],
+                       return_tensors="pt")
+            out = model.generate(**inp, max_new_tokens=MAX_TOKENS, do_sample=False)
+            cache[i] = out[0, inp["input_ids"].shape[1]:].tolist()
+        return cache[i]
+
+    return ref
+
+
+class EPD:
+    """Encode + remote prefill + local prefill + one decode worker, in one loop."""
+
+    def __init__(self, llava: Path, engines: dict[str, Any], ratio: float, slots: int, chunk: int = 4096) -> None:
+        from easerve_runtime.engines.hf import HFDecodeEngine
+
+        spec = parse_spec({
+            "model": {"name": "tiny-llava", "modality": "image", "encoder": "clip-vit-l-336", "path": str(llava)},
+            "engine": {"backend": "torch", "profile": "llava-v1.6-34b@h200"},
+            "gpuBudget": 3,
+            "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+            "offload": {"ratio": ratio},
+            "encode": {"batchBound": 4, "dispatch": "eager"},
+            "slo": {"objective": "m", "tiers": [{"name": "m", "ttftSeconds": 8, "tpotMs": 100}]},
+        })
+        m = Metrics()
+        self.metrics = m
+        self.decode_engine = HFDecodeEngine(llava, max_slots=slots, max_len=256)
+        self.refused = 0
+        admit = self.decode_engine.can_admit
+
+        def counting(seq: Any) -> bool:
+            ok = admit(seq)
+            self.refused += not ok
+            return ok
+
+        self.decode_engine.can_admit = counting  # type: ignore[method-assign]
+        self.max_batch = 0
+        step = self.decode_engine.decode_step
+
+        self.max_waiting = 0
+
+        async def recording(batch: Any) -> list[int]:
+            self.max_batch = max(self.max_batch, len(batch))
+            # sequences held back by the shared admission policy while every slot was taken
+            self.max_waiting = max(self.max_waiting, self.decode.admission.waiting)
+            return await step(batch)
+
+        self.decode_engine.decode_step = recording  # type: ignore[method-assign]
+        self.decode = DecodeWorker(self.decode_engine, m)
+        dpool = DirectPool({7: self.decode.generate}, "decode")
+        self.remote = PrefillWorker(engines["prefill"], m, dpool)
+        self.local = PrefillWorker(engines["prefill"], m, dpool, stage="local-prefill")
+        for w in (self.remote, self.local):
+            w.kv_chunk_bytes = chunk  # many chunks per request: the reassembly is exercised
+        self.encode = EncodeWorker(spec, engines["encode"], m, DirectPool({1: self.remote.generate}, "prefill"),
+                                   DirectPool({2: self.local.generate}, "local"))
+        self.tasks: list[asyncio.Task[None]] = []
+
+    async def __aenter__(self) -> EPD:
+        self.tasks = [asyncio.create_task(w.run()) for w in (self.encode, self.remote, self.local, self.decode)]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+    async def ask(self, wire: dict[str, Any], on_token: Callable[[int], Any] | None = None) -> dict[str, Any]:
+        tokens: list[int] = []
+        async for item in self.encode.generate(wire):
+            assert "error" not in item, item
+            if "token" in item:
+                tokens.append(int(item["token"]))
+                if on_token is not None:
+                    on_token(len(tokens))
+            elif item.get("done"):
+                return {"tokens": tokens, **item}
+        raise AssertionError("stream ended without done")
+
+
+@pytest.mark.parametrize("ratio,route", [(1.0, "remote"), (0.0, "local")])
+def test_greedy_through_epd_equals_generate(llava: Path, engines: dict[str, Any], reference: Any,
+                                            ratio: float, route: str) -> None:
+    async def main() -> list[dict[str, Any]]:
+        async with EPD(llava, engines, ratio, slots=4) as epd:
+            outs = [await epd.ask(request(i)[0]) for i in (0, 1)]
+            assert epd.metrics.kv_handoff_bytes._value.get() > 0  # the KV bytes really moved
+            return outs
+
+    for i, out in enumerate(asyncio.run(main())):
+        assert out["route"] == route
+        assert out["tokens"] == reference(i), f"request {i}: engine {out['tokens']} != generate {reference(i)}"
+        n_prompt = len(engines["encode"].processor(
+            images=[request(i)[1]], text=[engines["encode"].processor.apply_chat_template(
+                request(i)[2], add_generation_prompt=True)])["input_ids"][0])
+        assert out["prompt_tokens"] == n_prompt  # the tokenizer's count, placeholders included
+
+
+def test_requests_joining_mid_decode_keep_their_solo_outputs(llava: Path, engines: dict[str, Any],
+                                                              reference: Any) -> None:
+    async def main() -> dict[int, list[int]]:
+        async with EPD(llava, engines, 0.5, slots=4) as epd:
+            joined = asyncio.Event()
+            first = asyncio.create_task(epd.ask(request(2)[0], lambda n: n >= 3 and joined.set()))
+            await joined.wait()  # request 2 is decoding: 3 and 4 join its running batch
+            rest = await asyncio.gather(epd.ask(request(3)[0]), epd.ask(request(4)[0]))
+            outs = [await first, *rest]
+            assert epd.max_batch >= 2  # they really shared decode steps
+            return {i: o["tokens"] for i, o in zip((2, 3, 4), outs, strict=True)}
+
+    outs = asyncio.run(main())
+    assert len({tuple(t) for t in outs.values()}) > 1  # distinct prompts, distinct outputs
+    for i, toks in outs.items():
+        assert toks == reference(i), f"request {i} changed when batched"
+
+
+def test_more_requests_than_kv_slots_wait_and_all_complete(llava: Path, engines: dict[str, Any],
+                                                           reference: Any) -> None:
+    async def main() -> tuple[list[dict[str, Any]], EPD]:
+        async with EPD(llava, engines, 0.5, slots=2) as epd:
+            outs = await asyncio.gather(*(epd.ask(request(i)[0]) for i in range(5)))
+            return list(outs), epd
+
+    outs, epd = asyncio.run(main())
+    assert epd.decode_engine.slots == 2
+    assert epd.max_waiting > 0 and epd.max_batch <= 2  # some requests did wait for a slot
+    assert epd.refused == 0  # admission counts slots, so the engine is never asked beyond them
+    assert not epd.decode_engine.slot_of  # every slot was released
+    for i, out in enumerate(outs):
+        assert out["tokens"] == reference(i)
