@@ -38,6 +38,7 @@ from easerve_runtime.api.runtime_config import (
 )
 from easerve_runtime.api.spec import (
     Allocation,
+    AuthSpec,
     Backend,
     DeploymentMode,
     DiscoveryBackend,
@@ -47,6 +48,7 @@ from easerve_runtime.api.spec import (
     EngineSpec,
     EnvVar,
     EPDDeploymentSpec,
+    LimitsSpec,
     Modality,
     Model,
     ModelSpec,
@@ -81,6 +83,7 @@ __all__ = [
     "ANNOTATION_CONFIG_HASH",
     "API_VERSION",
     "Allocation",
+    "AuthSpec",
     "Backend",
     "CONFIG_DIR",
     "CONFIG_PATH",
@@ -102,6 +105,7 @@ __all__ = [
     "KIND",
     "LABEL_DEPLOYMENT",
     "LABEL_STAGE",
+    "LimitsSpec",
     "Modality",
     "Model",
     "ModelSpec",
