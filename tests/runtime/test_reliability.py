@@ -463,3 +463,21 @@ def test_launcher_restarts_with_backoff_and_stops_within_budget(tmp_path: Path) 
     assert la.procs[0].restarts == 2
     la.stop(grace=0.5)  # both ignore SIGTERM: killed once the budget is spent
     assert all(p.poll() is not None for p in la.popen.values())
+
+
+def test_render_mounts_the_api_key_secret_into_the_frontend_only() -> None:
+    from easerve_operator.render import render_children
+
+    _, s = load_manifest("examples/llava-v1.6-34b.yaml")
+    wire = s.wire() | {"auth": {"apiKeySecret": "llava-keys", "apiKeySecretKey": "keys"}}
+    children = render_children("llava", "serving", "uid-1", parse_spec(wire))
+    enc = next(c for c in children if c["kind"] == "Deployment" and c["metadata"]["name"].endswith("encode"))
+    pod = enc["spec"]["template"]["spec"]
+    vol = next(v for v in pod["volumes"] if v["name"] == "api-keys")
+    assert vol["secret"] == {"secretName": "llava-keys", "items": [{"key": "keys", "path": "api-keys"}]}
+    by_name = {c["name"]: c for c in pod["containers"]}
+    fe_env = {e["name"]: e.get("value") for e in by_name["frontend"]["env"]}
+    assert fe_env["EASERVE_API_KEYS_FILE"].endswith("/api-keys")
+    for name, c in by_name.items():
+        mounted = any(m["name"] == "api-keys" for m in c["volumeMounts"])
+        assert mounted == (name == "frontend"), name

@@ -38,6 +38,9 @@ STAGE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 
 
+API_KEYS_DIR = "/etc/easerve-keys"
+"""Where the frontend container finds the API keys of spec.auth.apiKeySecret (a Secret volume)."""
+
 def labels(name: str, stage: str | None = None) -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": "easerve",
@@ -207,6 +210,19 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
             ),
             _container(config, "encode", "encode", alloc.tensor_parallel, system_port, colocated),
         ]
+        if spec.auth.api_key_secret:  # API keys: the Secret's key mounted as a file, read by the frontend only
+            fe = containers[0]
+            fe["volumeMounts"].append({"name": "api-keys", "mountPath": API_KEYS_DIR, "readOnly": True})
+            fe["env"].append({"name": "EASERVE_API_KEYS_FILE", "value": f"{API_KEYS_DIR}/api-keys"})
+            volumes.append(
+                {
+                    "name": "api-keys",
+                    "secret": {
+                        "secretName": spec.auth.api_key_secret,
+                        "items": [{"key": spec.auth.api_key_secret_key, "path": "api-keys"}],
+                    },
+                }
+            )
         if colocated:
             containers.append(
                 _container(
