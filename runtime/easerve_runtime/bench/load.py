@@ -102,6 +102,7 @@ async def run_load(
     on_done: Callable[[Outcome], None] | None = None,
     timeout_s: float = REQUEST_TIMEOUT_S,
     headers: dict[str, str] | None = None,
+    on_start: Callable[[float], None] | None = None,
 ) -> tuple[list[Outcome], float]:
     """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration.
 
@@ -118,6 +119,8 @@ async def run_load(
         # build bodies up front so JSON/base64 work does not delay the arrival schedule
         bodies = [chat_body(r, model, stream=True) for r in requests]
         t0 = time.monotonic()
+        if on_start is not None:  # the clock arrival_s is measured on (e.g. to schedule a fault)
+            on_start(t0)
         tasks: list[asyncio.Task[Outcome]] = []
 
         async def fire(i: int) -> Outcome:
