@@ -481,3 +481,23 @@ def test_render_mounts_the_api_key_secret_into_the_frontend_only() -> None:
     for name, c in by_name.items():
         mounted = any(m["name"] == "api-keys" for m in c["volumeMounts"])
         assert mounted == (name == "frontend"), name
+
+
+def test_prescreen_refuses_oversized_text_without_parsing_and_spares_media() -> None:
+    from easerve_runtime.workers.openai import prescreen
+
+    big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "x" * 2_000_000}]}).encode()
+    with pytest.raises(RequestError, match="maxPromptTokens"):
+        prescreen(big + b"{{ not even json", LimitsSpec())
+    media = json.dumps(chat(image_part(png(64, 64) + b"\0" * 3_000_000))).encode()
+    prescreen(media, LimitsSpec())  # megabytes of base64 are not text
+
+
+def test_every_attempt_failing_before_first_token_is_503_with_retry_after() -> None:
+    async def no_prefill(req: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        yield {"error": "no live prefill instance"}
+
+    pool = EncodePool({1: no_prefill, 2: no_prefill})
+    st, body, headers = run(frontend(pool), lambda s, u: post(s, u, chat()))
+    assert st == 503 and int(headers["Retry-After"]) >= 1 and "no live prefill instance" in body["error"]["message"]
+    assert len(pool.sent) == 2

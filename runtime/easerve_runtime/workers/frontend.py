@@ -45,6 +45,7 @@ from easerve_runtime.workers.openai import (
     json_depth,
     openapi_document,
     parse_chat_request,
+    prescreen,
 )
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import part_to_wire
@@ -244,6 +245,7 @@ class Frontend:
             raw = await request.read()
         except web.HTTPRequestEntityTooLarge:
             raise RequestError(413, f"request body: larger than spec.limits.maxBodyBytes ({lim.max_body_bytes})") from None
+        prescreen(raw, lim)  # an oversized prompt is refused without being parsed
         try:
             body = json.loads(raw)
         except RecursionError:
@@ -354,8 +356,12 @@ class Frontend:
                         return
                 raise StageError("encode stream ended before the request finished")
             except StageError as exc:
-                if got or attempt + 1 >= MAX_ATTEMPTS:
+                if got:
                     raise
+                if attempt + 1 >= MAX_ATTEMPTS:
+                    # nothing was served: the client may simply retry (503 + Retry-After), e.g.
+                    # while a killed worker is being restarted
+                    raise StageError(f"{exc} (before the first token, after {MAX_ATTEMPTS} attempts)", True) from exc
                 log.warning("request %s failed before its first token (%s); retrying on another encode worker", rid, exc)
                 rid = f"{rid}-r{attempt + 1}"
 
