@@ -121,7 +121,7 @@ class AdmissionQueue:
             self._bound = min(float(self.max_bound), self._bound + 1.0 / self._bound)
 
     def left_early(self) -> None:
-        """An admitted request ended before its first token (error, disconnect)."""
+        """An admitted request ended before its first token (invalid, error, disconnect)."""
         self.waiting = max(0, self.waiting - 1)
 
     @property

@@ -262,17 +262,23 @@ class Frontend:
             return denied
         if self.draining:
             return self._reject(503, "server is shutting down", {"Retry-After": "5"})
+        # admission first: under overload a refusal costs neither reading nor decoding the body
+        decision: Admission = self.admission.admit(self.clock(), self.ready())
+        self.metrics.queue_depth.labels(self.stage).set(self.admission.waiting)
+        if not decision.admitted:
+            return self._reject(decision.status, decision.reason, {"Retry-After": str(decision.retry_after_s)})
         try:
             body = await self._body(request)
             req = parse_chat_request(
                 body, self.served_names, str(self.spec.model.modality), self.limits, self.media_tokens
             )
         except RequestError as exc:
+            self.admission.left_early()
+            self.metrics.queue_depth.labels(self.stage).set(self.admission.waiting)
             return self._reject(exc.status, exc.message)
-        decision: Admission = self.admission.admit(self.clock(), self.ready())
-        self.metrics.queue_depth.labels(self.stage).set(self.admission.waiting)
-        if not decision.admitted:
-            return self._reject(decision.status, decision.reason, {"Retry-After": str(decision.retry_after_s)})
+        except BaseException:
+            self.admission.left_early()
+            raise
         self.inflight += 1
         self.metrics.inflight.labels(self.stage).set(self.inflight)
         waiting = [True]  # still counted in the admission queue
