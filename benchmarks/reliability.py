@@ -204,8 +204,49 @@ def chaos(args: argparse.Namespace, spec: Any, serve: Serve, capacity: float) ->
             "errors": s["errors"],
         }
         time.sleep(15)  # let the restarted process register before the next kind
-    rows["partition-controller"] = {"skipped": "easerve serve runs no partition controller (pods do)"}
+    rows["partition-controller"] = partition_chaos(args, spec, serve, capacity)
     return rows
+
+
+def partition_chaos(args: argparse.Namespace, spec: Any, serve: Serve, capacity: float) -> dict[str, Any]:
+    """`easerve serve` runs no partition controller (a pod runs one per encode GPU), so start one
+    for GPU 0 on the run's shm records, SIGKILL it under load, and restart it as the kubelet would."""
+    shm = serve.workdir / "shm"
+    cmd = [sys.executable, "-m", "easerve_runtime.cli.partition_controller", "--config", str(serve.workdir / "config.json")]
+    cmd += ["--gpu", "0", "--total-sms", "142", "--shm-dir", str(shm), "--tick-ms", "5", "--sample-ms", "200"]
+    env = dict(os.environ, PYTHONPATH=f"{ROOT / 'runtime'}:{ROOT / 'operator'}")
+
+    def start() -> subprocess.Popen[bytes]:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+
+    ctl = start()
+    time.sleep(5)
+    if ctl.poll() is not None:
+        return {"skipped": f"partition controller exited with {ctl.returncode} at start"}
+    rate = 0.6 * capacity
+    reqs = generate(spec, rate, max(1, int(rate * args.chaos_seconds)), 200)
+    outs, dur, k = asyncio.run(_strike_under_load(serve.url, reqs, ctl.pid, args.kill_at))
+    ctl.wait(5)
+    t_restart = time.monotonic()
+    ctl = start()  # the kubelet restarts the container
+    time.sleep(3)
+    alive = ctl.poll() is None
+    ctl.terminate()
+    ctl.wait(10)
+    s = summary(outs, dur)
+    after = [o for o in outs if o.record.arrival_s >= k]
+    return {
+        "sent": s["sent"],
+        "completed": s.get("completed", 0),
+        "explicit_errors": s.get("error", 0),
+        "refused_429_503": s.get("refused", 0),
+        "lost_silently": s.get("lost", 0),
+        "recovery_s": 0.0 if all(o.record.ok for o in after) else None,
+        "restarted_as_new_pid": alive,
+        "note": "workers keep the last published split while no controller runs (the record stays in shm)",
+        "restart_check_s": round(time.monotonic() - t_restart, 1),
+        "errors": s["errors"],
+    }
 
 
 def badinput(args: argparse.Namespace, spec: Any, serve: Serve, capacity: float) -> dict[str, Any]:
@@ -286,7 +327,7 @@ def plot(result: dict[str, Any], out: Path) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default=str(ROOT / "examples" / "llava-v1.6-34b.yaml"))
-    ap.add_argument("--phase", default="all", choices=["all", "overload", "chaos", "badinput"])
+    ap.add_argument("--phase", default="all", choices=["all", "overload", "chaos", "badinput", "partition"])
     ap.add_argument("--seconds", type=float, default=120.0, help="Length of the 80 %% and 3x runs.")
     ap.add_argument("--probe-seconds", type=float, default=60.0)
     ap.add_argument("--chaos-seconds", type=float, default=60.0)
@@ -314,6 +355,8 @@ def main() -> int:
             result["bad_input"] = badinput(args, spec, serve, capacity)
         if args.phase in ("all", "chaos"):
             result["chaos"] = chaos(args, spec, serve, capacity)
+        if args.phase == "partition":
+            result["chaos"] = {"partition-controller": partition_chaos(args, spec, serve, capacity)}
     finally:
         result["serve_stop_after_sigterm_s"] = round(serve.stop(), 2)
         result["load_avg_at_end"] = os.getloadavg()

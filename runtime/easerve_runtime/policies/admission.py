@@ -14,8 +14,10 @@ By Little's law a queue of ``L`` requests drained at ``C`` req/s makes a newcome
 being the saturation rate of the deployment's profile (``profiles.capacity``). A profile is not
 the machine, though (a busy host, a slower GPU, a different workload), so the bound then follows
 what is measured, AIMD on the first-token delay: a first token later than the lowest TTFT seen
-plus ``queue_seconds`` shrinks the bound by 10 % (at most once per ``queue_seconds``), one on time
-while the queue is full grows it by ``1 / bound``; it never exceeds the profile's bound.
+plus ``queue_seconds`` shrinks the bound by 10 % (at most once per ``queue_seconds``), every one on
+time grows it by ``1 / bound`` (so it recovers after a burst), up to ``GROWTH`` x the profile's
+bound (Poisson bursts at a moderate load need room above the mean; the delay signal, not the
+profile, is what holds the bound down under overload).
 ``spec.limits.maxQueuedRequests`` fixes the bound instead. ``Retry-After`` is the time the queue
 needs to drain one slot at the observed first-token rate (an EWMA, falling back to ``C``).
 """
@@ -51,6 +53,7 @@ def queue_bound(capacity_rps: float, queue_seconds: float, override: int | None 
 
 
 DECREASE = 0.9
+GROWTH = 2.0
 
 
 class AdmissionQueue:
@@ -63,7 +66,7 @@ class AdmissionQueue:
     def __init__(self, bound: int, capacity_rps: float, queue_seconds: float = 2.0, adaptive: bool = True) -> None:
         if bound < 1:
             raise ValueError(f"bound: must be >= 1, got {bound}")
-        self.max_bound = bound
+        self.max_bound = max(bound, math.ceil(GROWTH * bound)) if adaptive else bound
         self._bound = float(bound)
         self.adaptive = adaptive
         self.queue_seconds = queue_seconds
@@ -97,10 +100,9 @@ class AdmissionQueue:
 
     def first_token(self, now: float, ttft: float | None = None) -> None:
         """An admitted request got its first token ``ttft`` s after admission: it leaves the queue."""
-        full = self.waiting >= self.bound
         self.waiting = max(0, self.waiting - 1)
         if self.adaptive and ttft is not None:
-            self._adapt(now, ttft, full)
+            self._adapt(now, ttft)
         if self._last is not None:
             dt = max(now - self._last, 1e-6)
             w = 1.0 - 0.5 ** (dt / RATE_HALF_LIFE_S)
@@ -108,7 +110,7 @@ class AdmissionQueue:
         self._last = now
         self._seen += 1
 
-    def _adapt(self, now: float, ttft: float, full: bool) -> None:
+    def _adapt(self, now: float, ttft: float) -> None:
         floor = self.floor_ttft
         # the lowest TTFT seen, drifting up slowly so one lucky request does not pin it forever
         self.floor_ttft = ttft if floor is None else min(ttft, floor + 0.01 * (ttft - floor))
@@ -117,7 +119,7 @@ class AdmissionQueue:
             if now - self._last_decrease >= self.queue_seconds:
                 self._bound = max(1.0, self._bound * DECREASE)
                 self._last_decrease = now
-        elif full:
+        else:
             self._bound = min(float(self.max_bound), self._bound + 1.0 / self._bound)
 
     def left_early(self) -> None:
