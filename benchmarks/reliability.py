@@ -136,6 +136,20 @@ def _r(x: float | None) -> float | None:
     return None if x is None else round(x, 3)
 
 
+def recovery_s(outs: list[Outcome], k: float) -> float | None:
+    """Seconds from the kill ``k`` to the first request from which on every request sent completed
+    (or was refused 429 for a full queue: a load decision, not the fault). 0 if none failed."""
+    after = sorted((o for o in outs if o.record.arrival_s >= k), key=lambda o: o.record.arrival_s)
+
+    def fine(o: Outcome) -> bool:
+        return o.record.ok or o.status == 429
+
+    for j in range(len(after)):
+        if all(fine(o) for o in after[j:]):
+            return after[j].record.arrival_s - k
+    return None
+
+
 def overload(args: argparse.Namespace, spec: Any, serve: Serve) -> dict[str, Any]:
     profile_c = saturation_rps(spec) * args.speedup
     outs, dur = load(serve.url, spec, 2 * profile_c, args.probe_seconds, 1)
@@ -185,12 +199,7 @@ def chaos(args: argparse.Namespace, spec: Any, serve: Serve, capacity: float) ->
         n = max(1, int(rate * args.chaos_seconds))
         reqs = generate(spec, rate, n, 100 + i)
         outs, dur, k = asyncio.run(_strike_under_load(serve.url, reqs, victim["pid"], args.kill_at))
-        after = sorted((o for o in outs if o.record.arrival_s >= k), key=lambda o: o.record.arrival_s)
-        recovered = None
-        for j in range(len(after)):
-            if all(o.record.ok for o in after[j:]):
-                recovered = after[j].record.arrival_s - k
-                break
+        recovered = recovery_s(outs, k)
         s = summary(outs, dur)
         restarted = next(p for p in serve.processes() if p["stage"] == kind and p["index"] == victim["index"])
         rows[kind] = {
@@ -212,7 +221,7 @@ def partition_chaos(args: argparse.Namespace, spec: Any, serve: Serve, capacity:
     """`easerve serve` runs no partition controller (a pod runs one per encode GPU), so start one
     for GPU 0 on the run's shm records, SIGKILL it under load, and restart it as the kubelet would."""
     shm = serve.workdir / "shm"
-    cmd = [sys.executable, "-m", "easerve_runtime.cli.partition_controller", "--config", str(serve.workdir / "config.json")]
+    cmd = [sys.executable, "-m", "easerve_operator.cli", "partition-controller", "--config", str(serve.workdir / "config.json")]
     cmd += ["--gpu", "0", "--total-sms", "142", "--shm-dir", str(shm), "--tick-ms", "5", "--sample-ms", "200"]
     env = dict(os.environ, PYTHONPATH=f"{ROOT / 'runtime'}:{ROOT / 'operator'}")
 
@@ -234,14 +243,13 @@ def partition_chaos(args: argparse.Namespace, spec: Any, serve: Serve, capacity:
     ctl.terminate()
     ctl.wait(10)
     s = summary(outs, dur)
-    after = [o for o in outs if o.record.arrival_s >= k]
     return {
         "sent": s["sent"],
         "completed": s.get("completed", 0),
         "explicit_errors": s.get("error", 0),
         "refused_429_503": s.get("refused", 0),
         "lost_silently": s.get("lost", 0),
-        "recovery_s": 0.0 if all(o.record.ok for o in after) else None,
+        "recovery_s": _r(recovery_s(outs, k)),
         "restarted_as_new_pid": alive,
         "note": "workers keep the last published split while no controller runs (the record stays in shm)",
         "restart_check_s": round(time.monotonic() - t_restart, 1),

@@ -255,7 +255,7 @@ class LimitsSpec(Model):
         "Default: measured capacity (req/s) x queueSeconds.",
     )
     queue_seconds: float = Field(
-        default=2.0, gt=0, le=3600, description="Queue budget: how long an admitted request may wait at capacity."
+        default=3.0, gt=0, le=3600, description="Queue budget: how long an admitted request may wait at capacity."
     )
     request_timeout_seconds: float = Field(
         default=600.0, gt=0, le=86_400, description="Deadline of an accepted request, carried by every internal hop."
