@@ -115,6 +115,7 @@ def main() -> int:
             "fds_start": steady[0][2] if steady else None,
             "fds_end": steady[-1][2] if steady else None,
             "fds_per_min": _r(slope([(t, float(f)) for t, _, f in steady])),
+            "series": [[round(t, 1), round(r, 1), f] for t, r, f in pts],  # (s, RSS MiB, fds)
         }
     errors: dict[str, int] = {}
     for o in outs:
