@@ -503,3 +503,16 @@ def test_every_attempt_failing_before_first_token_is_503_with_retry_after() -> N
     st, body, headers = run(frontend(pool), lambda s, u: post(s, u, chat()))
     assert st == 503 and int(headers["Retry-After"]) >= 1 and "no live prefill instance" in body["error"]["message"]
     assert len(pool.sent) == 2
+
+
+def test_capacity_is_shared_among_the_frontends(monkeypatch: pytest.MonkeyPatch) -> None:
+    from easerve_runtime.workers.frontend import FRONTENDS_ENV, measured_capacity
+
+    c = cfg()
+    monkeypatch.delenv("EASERVE_SIM_SPEEDUP", raising=False)
+    monkeypatch.setenv(FRONTENDS_ENV, "1")
+    whole = measured_capacity(c)
+    monkeypatch.setenv(FRONTENDS_ENV, "4")
+    assert measured_capacity(c) == pytest.approx(whole / 4)
+    monkeypatch.delenv(FRONTENDS_ENV)  # in pods: one frontend per encode replica
+    assert measured_capacity(c) == pytest.approx(whole / c.spec.allocation.encode.replicas)

@@ -113,8 +113,13 @@ def media_tokens_for(cfg: RuntimeConfig) -> Callable[[MediaPart], int]:
     return tokens
 
 
+FRONTENDS_ENV = "EASERVE_FRONTENDS"
+"""How many frontends share the deployment: one per encode pod in Kubernetes (the default),
+one under ``easerve serve`` (the launcher sets it). Each admits its share of the capacity."""
+
+
 def measured_capacity(cfg: RuntimeConfig) -> float:
-    """The deployment's saturation rate on its profile (x the sim engine's speed-up), req/s."""
+    """This frontend's share of the deployment's saturation rate on its profile (x the sim speed-up)."""
     from easerve_runtime.profiles.capacity import saturation_rps
 
     try:
@@ -124,7 +129,8 @@ def measured_capacity(cfg: RuntimeConfig) -> float:
         return 1.0
     if str(cfg.spec.engine.backend) == "sim":
         c *= float(os.environ.get("EASERVE_SIM_SPEEDUP", "1") or 1)
-    return c
+    frontends = int(os.environ.get(FRONTENDS_ENV) or max(1, cfg.spec.allocation.encode.replicas))
+    return c / max(1, frontends)
 
 
 class Frontend:

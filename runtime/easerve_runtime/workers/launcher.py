@@ -139,6 +139,7 @@ class Launcher:
                     # each encode "GPU" gets its own partition records, private to this run
                     "EASERVE_PARTITION_SHM": str(shm),
                     "EASERVE_PARTITION_GPU": str(p.index),
+                    "EASERVE_FRONTENDS": "1",  # one frontend admits for the whole deployment
                 }
             )
             env.update(self.extra_env)
