@@ -23,6 +23,7 @@ from easerve_runtime.api import (
 )
 from easerve_runtime.topology import Pod, Port, Process
 
+from easerve_operator.render.auth import api_key_env, api_key_mounts, api_key_volumes
 from easerve_operator.render.profile import profile_mounts, profile_volumes
 from easerve_operator.render.stages import config_map_name, labels, selector, stage_name
 
@@ -58,6 +59,7 @@ def container_env(config: RuntimeConfig, proc: Process) -> list[dict[str, Any]]:
         if spec.discovery.etcd_endpoints:
             env.append({"name": "ETCD_ENDPOINTS", "value": spec.discovery.etcd_endpoints})
     env += [{"name": k, "value": v} for k, v in proc.env]
+    env += api_key_env(config, proc)
     env += [{"name": e.name, "value": e.value} for e in spec.pod.env or []]
     return env
 
@@ -86,6 +88,7 @@ def volume_mounts(config: RuntimeConfig, proc: Process) -> list[dict[str, Any]]:
     if proc.shm:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     mounts.extend(profile_mounts(config.spec))
+    mounts.extend(api_key_mounts(config, proc))
     return mounts
 
 
@@ -96,6 +99,7 @@ def volumes(config: RuntimeConfig, pod: Pod) -> list[dict[str, Any]]:
     if pod.shm:
         out.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     out.extend(profile_volumes(config.spec))
+    out.extend(api_key_volumes(config, pod))
     return out
 
 

@@ -41,6 +41,7 @@ from easerve_runtime.api.runtime_config import (
 )
 from easerve_runtime.api.spec import (
     Allocation,
+    AuthSpec,
     Backend,
     DecodeSpec,
     DeploymentMode,
@@ -51,6 +52,7 @@ from easerve_runtime.api.spec import (
     EngineSpec,
     EnvVar,
     EPDDeploymentSpec,
+    LimitsSpec,
     Modality,
     Model,
     ModelSpec,
@@ -86,6 +88,7 @@ __all__ = [
     "ANNOTATION_CONFIG_HASH",
     "API_VERSION",
     "Allocation",
+    "AuthSpec",
     "Backend",
     "CONFIG_DIR",
     "CONFIG_PATH",
@@ -108,6 +111,7 @@ __all__ = [
     "KIND",
     "LABEL_DEPLOYMENT",
     "LABEL_STAGE",
+    "LimitsSpec",
     "Modality",
     "Model",
     "ModelSpec",

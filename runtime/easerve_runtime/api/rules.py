@@ -54,6 +54,21 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
         tier = spec.tuning.objective.split("@", 1)[1]
         if tier not in tier_names:
             errs.append(SpecError("spec.tuning.objective", f"tier '{tier}' is not in spec.slo.tiers {tier_names}"))
+    lim = spec.limits
+    if lim.max_prompt_tokens >= lim.max_context_tokens:
+        errs.append(
+            SpecError(
+                "spec.limits.maxPromptTokens",
+                f"({lim.max_prompt_tokens}) must be below spec.limits.maxContextTokens ({lim.max_context_tokens})",
+            )
+        )
+    if lim.max_output_tokens >= lim.max_context_tokens:
+        errs.append(
+            SpecError(
+                "spec.limits.maxOutputTokens",
+                f"({lim.max_output_tokens}) must be below spec.limits.maxContextTokens ({lim.max_context_tokens})",
+            )
+        )
     if spec.tuning.enabled and spec.tuning.target_rate is None:
         errs.append(SpecError("spec.tuning.targetRate", "is required when spec.tuning.enabled is true"))
     if spec.mode == DeploymentMode.OMNI_COLOCATED:

@@ -298,6 +298,56 @@ class ObservabilitySpec(Model):
     prometheus_url: str | None = Field(default=None, description="Prometheus base URL that HAS queries.")
 
 
+class LimitsSpec(Model):
+    """What one request may ask for, and how much the frontend admits: refused up front with a 4xx
+    naming the limit (or 429/503 with Retry-After for the queue), before any work is done."""
+
+    max_context_tokens: int = Field(
+        default=32768, ge=16, le=10_000_000, description="Prompt (text + media) plus max_tokens must fit in this."
+    )
+    max_prompt_tokens: int = Field(
+        default=16384, ge=1, le=10_000_000, description="Most prompt tokens (text + media) of one request."
+    )
+    max_output_tokens: int = Field(default=8192, ge=1, le=1_000_000, description="Largest max_tokens a request may ask for.")
+    max_images_per_request: int = Field(default=16, ge=0, le=1024, description="Most image parts in one request.")
+    max_image_pixels: int = Field(
+        default=16_777_216, ge=1, le=1_000_000_000, description="Most pixels of one image, read from its header before decoding."
+    )
+    max_audio_seconds: float = Field(default=600.0, gt=0, le=86_400, description="Longest audio clip, seconds.")
+    max_video_frames: int = Field(default=256, ge=1, le=100_000, description="Most sampled frames of one video.")
+    max_body_bytes: int = Field(
+        default=32 * 1024 * 1024, ge=1024, le=1024 * 1024 * 1024, description="Largest request body, bytes."
+    )
+    max_json_depth: int = Field(default=32, ge=4, le=1000, description="Deepest nesting of the request JSON.")
+    max_queued_requests: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="Most admitted requests still waiting for their first token; beyond it 429 with Retry-After. "
+        "Default: measured capacity (req/s) x queueSeconds.",
+    )
+    queue_seconds: float = Field(
+        default=3.0, gt=0, le=3600, description="Queue budget: how long an admitted request may wait at capacity."
+    )
+    request_timeout_seconds: float = Field(
+        default=600.0, gt=0, le=86_400, description="Deadline of an accepted request, carried by every internal hop."
+    )
+
+
+class AuthSpec(Model):
+    """Optional API-key authentication of the OpenAI endpoint (``Authorization: Bearer <key>``)."""
+
+    api_key_secret: str | None = Field(
+        default=None,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        max_length=253,
+        description="Secret (same namespace) whose values are the accepted API keys; unset: no authentication.",
+    )
+    api_key_secret_key: str = Field(
+        default="api-keys", min_length=1, description="Key in the Secret: one API key per line."
+    )
+
+
 class EnvVar(Model):
     name: str = Field(min_length=1, description="Environment variable name.")
     value: str = Field(default="", description="Its value.")
@@ -354,6 +404,8 @@ class EPDDeploymentSpec(Model):
     discovery: DiscoverySpec = Field(default_factory=DiscoverySpec, description="How workers find each other.")
     observability: ObservabilitySpec = Field(default_factory=ObservabilitySpec, description="Metrics endpoints.")
     pod: PodOverrides = Field(default_factory=PodOverrides, description="Overrides applied to every pod.")
+    limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Request limits and the admission queue.")
+    auth: AuthSpec = Field(default_factory=AuthSpec, description="API-key authentication of the frontend.")
     omni: OmniSpec | None = Field(default=None, description="Omni request classes; only in omni-colocated mode.")
 
     @model_validator(mode="after")

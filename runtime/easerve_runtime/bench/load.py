@@ -21,6 +21,9 @@ from easerve_runtime.bench.payloads import chat_body
 from easerve_runtime.workload.request import Request, RequestRecord
 
 REQUEST_TIMEOUT_S = 600.0
+"""Whole-request limit: a request still open after this is a failure, so a run always ends."""
+READ_TIMEOUT_S = 120.0
+"""Longest silence between two reads of one response before it counts as failed."""
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Outcome:
     record: RequestRecord
     expected_tokens: int
     token_ids: list[int]
+    status: int | None = None
+    retry_after: str | None = None
 
 
 async def fetch_model(session: aiohttp.ClientSession, url: str) -> str:
@@ -50,12 +55,15 @@ async def one_request(
     rec = RequestRecord(id=req.id, arrival_s=sent, output_tokens=0)
     tokens: list[int] = []
     body = body if body is not None else chat_body(req, model, stream=True)
+    status: int | None = None
+    retry_after: str | None = None
     try:
         async with session.post(f"{url}/v1/chat/completions", json=body) as r:
+            status, retry_after = r.status, r.headers.get("Retry-After")
             if r.status != 200:
                 text = await r.text()
                 rec.error = f"HTTP {r.status}: {text[:300]}"
-                return Outcome(rec, req.output_tokens, tokens)
+                return Outcome(rec, req.output_tokens, tokens, status, retry_after)
             async for raw in r.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -77,12 +85,14 @@ async def one_request(
                             rec.first_token_s = now
                         rec.finish_s = now
                         tokens.append(int(ext.get("token_id", -1)))
-    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
+    except TimeoutError:
+        rec.error = "client timeout: no complete response in time"
+    except (aiohttp.ClientError, json.JSONDecodeError, ValueError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
     rec.output_tokens = len(tokens)
     if rec.error is None and rec.first_token_s is None:
         rec.error = "no tokens received"
-    return Outcome(rec, req.output_tokens, tokens)
+    return Outcome(rec, req.output_tokens, tokens, status, retry_after)
 
 
 async def run_load(
@@ -90,16 +100,27 @@ async def run_load(
     requests: list[Request],
     model: str | None = None,
     on_done: Callable[[Outcome], None] | None = None,
+    timeout_s: float = REQUEST_TIMEOUT_S,
+    headers: dict[str, str] | None = None,
+    on_start: Callable[[float], None] | None = None,
 ) -> tuple[list[Outcome], float]:
-    """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration."""
+    """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration.
+
+    Each request has its own ``timeout_s`` (and a read-silence limit), counted as a failure when
+    it expires, so the run ends even if the server stops answering.
+    """
     url = url.rstrip("/")
-    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as session:
+    timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=min(timeout_s, READ_TIMEOUT_S))
+    async with aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=timeout, headers=headers
+    ) as session:
         if model is None:
             model = await fetch_model(session, url)
         # build bodies up front so JSON/base64 work does not delay the arrival schedule
         bodies = [chat_body(r, model, stream=True) for r in requests]
         t0 = time.monotonic()
+        if on_start is not None:  # the clock arrival_s is measured on (e.g. to schedule a fault)
+            on_start(t0)
         tasks: list[asyncio.Task[Outcome]] = []
 
         async def fire(i: int) -> Outcome:

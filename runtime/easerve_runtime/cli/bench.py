@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="Model name (default: the server's /v1/models).")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON only.")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="Per-request limit, seconds; expired requests count as failed."
+    )
 
 
 def _fail(msg: str) -> int:
@@ -118,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
 
     try:
-        outcomes, duration = asyncio.run(run_load(args.url, reqs, args.model, on_done))
+        outcomes, duration = asyncio.run(run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout))
     except OSError as exc:
         return _fail(f"--url {args.url}: {exc}")
     finally:

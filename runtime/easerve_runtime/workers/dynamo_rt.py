@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import re
 import signal
@@ -87,6 +88,10 @@ def dynamo_env(
     out.setdefault("DYN_REQUEST_PLANE", env.get("DYN_REQUEST_PLANE", "tcp"))
     if not env.get("DYN_TCP_MAX_MESSAGE_SIZE"):
         out["DYN_TCP_MAX_MESSAGE_SIZE"] = str(TCP_MAX_MESSAGE_SIZE)
+    if not env.get("DYN_TCP_REQUEST_TIMEOUT"):
+        # Dynamo's default (10 s) would fail an accepted request that waits in a queue longer than
+        # that: the hop's timeout is the request's own deadline instead (spec.limits)
+        out["DYN_TCP_REQUEST_TIMEOUT"] = str(math.ceil(cfg.spec.limits.request_timeout_seconds))
     if not env.get("DYN_LOG"):
         out["DYN_LOG"] = "error"  # Dynamo logs every routed request at INFO
     return out

@@ -7,10 +7,15 @@ the omni pod's shared stage, downstream stage and partition controller). Every p
 own Dynamo system port, and all share one file-discovery directory under the work dir, so two
 ``serve`` runs on a host never see each other's workers.
 
-The launcher writes ``<workdir>/processes.json`` (stage, index, pid, ports) so tests and
+The launcher writes ``<workdir>/processes.json`` (stage, index, pid, ports, restarts) so tests and
 operators can find a given worker (e.g. to kill one), logs the URL once every process is healthy,
 and on SIGINT/SIGTERM stops the frontend first (it drains accepted requests), then the workers.
-A worker that dies is reported and not restarted: the rest keep serving.
+
+Supervision, as a kubelet would: a process that exits is restarted with exponential back-off
+(1 s, 2 s, 4 s ... at most 30 s; the back-off resets once a process stayed up for a minute); the
+rest keep serving meanwhile. Stopping has ONE budget (``STOP_GRACE_S``) for all stages together,
+after which whatever is left is SIGKILLed, and a second SIGINT/SIGTERM kills at once: ``easerve
+serve`` always stops within its drain timeout, whatever state its children are in.
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ log = logging.getLogger("easerve.serve")
 
 READY_TIMEOUT_S = 60.0
 STOP_GRACE_S = 30.0
+BACKOFF_MIN_S = 1.0
+BACKOFF_MAX_S = 30.0
+BACKOFF_RESET_S = 60.0
 
 
 @dataclass
@@ -68,6 +76,7 @@ class Proc:
     """The topology's ``easerve ...`` argv (the pod's container args)."""
     partition_gpus: list[int] = field(default_factory=list)
     """Host-unique indices of the partition records it reads or writes."""
+    restarts: int = 0
 
 
 def free_port(lo: int = 20000, hi: int = 32767) -> int:
@@ -184,6 +193,9 @@ class Launcher:
         self.extra_env = env or {}
         self.procs = plan(spec, port)
         self.popen: dict[int, subprocess.Popen[bytes]] = {}
+        self._started: dict[int, float] = {}
+        self._backoff: dict[int, float] = {}
+        self._restart_at: dict[int, float] = {}
         tag = f"{os.getpid()}_{int(time.time())}"
         self.cfg = RuntimeConfig(
             name=name,
@@ -200,6 +212,7 @@ class Launcher:
         kv.mkdir(exist_ok=True)
         shm = self.workdir / "shm"
         shm.mkdir(exist_ok=True)
+        self._cmds: dict[int, tuple[list[str], dict[str, str]]] = {}
         for i, p in enumerate(self.procs):
             env = dict(os.environ)
             env.update(
@@ -211,6 +224,7 @@ class Launcher:
                     "PYTHONUNBUFFERED": "1",
                     # the partition records of this run's "GPUs", private to it
                     "EASERVE_PARTITION_SHM": str(shm),
+                    "EASERVE_FRONTENDS": "1",  # the client reaches one frontend; it admits for all
                 }
             )
             if p.system_port is not None:
@@ -220,15 +234,23 @@ class Launcher:
             env.update(self.extra_env)
             cmd = [str(shm) if a == SHM_DIR_TOKEN else a for a in command(p, str(cfg_path))]
             p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
-            with open(p.log_path, "wb") as logf:
-                proc = subprocess.Popen(
-                    cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
-                )
-            p.pid = proc.pid
-            self.popen[i] = proc
-        (self.workdir / "processes.json").write_text(
-            json.dumps({"url": self.url, "processes": [asdict(p) for p in self.procs]}, indent=1)
-        )
+            self._cmds[i] = (cmd, env)
+            self._spawn(i)
+        self._write_processes()
+
+    def _spawn(self, i: int) -> None:
+        cmd, env = self._cmds[i]
+        p = self.procs[i]
+        with open(p.log_path, "ab") as logf:
+            proc = subprocess.Popen(cmd, env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True)
+        p.pid = proc.pid
+        self.popen[i] = proc
+        self._started[i] = time.monotonic()
+
+    def _write_processes(self) -> None:
+        tmp = self.workdir / "processes.json.tmp"
+        tmp.write_text(json.dumps({"url": self.url, "processes": [asdict(p) for p in self.procs]}, indent=1))
+        tmp.replace(self.workdir / "processes.json")
 
     @property
     def url(self) -> str:
@@ -266,6 +288,7 @@ class Launcher:
             time.sleep(0.2)
 
     def poll_dead(self, reported: set[int]) -> None:
+        """Report processes that exited (once each); no restart (see ``supervise``)."""
         for i, proc in self.popen.items():
             if i not in reported and proc.poll() is not None:
                 reported.add(i)
@@ -279,6 +302,35 @@ class Launcher:
                     p.log_path,
                 )
 
+    def supervise(self, now: float | None = None) -> None:
+        """Restart every exited process after its back-off; call periodically while serving."""
+        now = time.monotonic() if now is None else now
+        changed = False
+        for i, proc in self.popen.items():
+            p = self.procs[i]
+            if proc.poll() is None:
+                if now - self._started.get(i, now) >= BACKOFF_RESET_S:
+                    self._backoff.pop(i, None)
+                continue
+            at = self._restart_at.get(i)
+            if at is None:
+                delay = self._backoff.get(i, BACKOFF_MIN_S / 2) * 2
+                delay = min(BACKOFF_MAX_S, max(BACKOFF_MIN_S, delay))
+                self._backoff[i] = delay
+                self._restart_at[i] = now + delay
+                log.warning(
+                    "%s-%d (pid %d) exited with %s; restarting in %.0f s (log: %s)",
+                    p.stage, p.index, p.pid, proc.returncode, delay, p.log_path,
+                )
+            elif now >= at:
+                del self._restart_at[i]
+                self._spawn(i)
+                p.restarts += 1
+                changed = True
+                log.warning("%s-%d restarted as pid %d (restart %d)", p.stage, p.index, p.pid, p.restarts)
+        if changed:
+            self._write_processes()
+
     def _signal(self, idx: list[int], sig: int) -> None:
         for i in idx:
             proc = self.popen[i]
@@ -286,24 +338,31 @@ class Launcher:
                 with contextlib.suppress(ProcessLookupError):
                     proc.send_signal(sig)
 
-    def _wait(self, idx: list[int], timeout: float) -> list[int]:
+    def _wait(self, idx: list[int], timeout: float, abort: Any = None) -> list[int]:
         deadline = time.monotonic() + timeout
         left = [i for i in idx if self.popen[i].poll() is None]
-        while left and time.monotonic() < deadline:
+        while left and time.monotonic() < deadline and not (abort is not None and abort()):
             time.sleep(0.05)
             left = [i for i in left if self.popen[i].poll() is None]
         return left
 
-    def stop(self, grace: float = STOP_GRACE_S) -> None:
-        """Frontend first (it drains accepted requests through the workers), then the workers."""
+    def stop(self, grace: float = STOP_GRACE_S, abort: Any = None) -> None:
+        """Frontend first (it drains accepted requests through the workers), then the workers.
+
+        ``grace`` is the budget for all of it; ``abort()`` (a second signal) cuts it short. What
+        is still running after that is SIGKILLed, so this always returns within ``grace`` + 5 s.
+        """
+        deadline = time.monotonic() + grace
         fe = [i for i, p in enumerate(self.procs) if p.stage in ENTRY]
         workers = [i for i, p in enumerate(self.procs) if p.stage not in ENTRY]
-        self._signal(fe, signal.SIGTERM)
-        self._wait(fe, grace)
-        for stage in STOP_ORDER:
-            idx = [i for i in workers if self.procs[i].stage == stage]
+        groups = [fe]
+        for stage in STOP_ORDER:  # upstream first, each drains into the next
+            groups.append([i for i in workers if self.procs[i].stage == stage])
+        for idx in groups:
+            if abort is not None and abort():
+                break
             self._signal(idx, signal.SIGTERM)
-            self._wait(idx, grace)
+            self._wait(idx, max(0.0, deadline - time.monotonic()), abort)
         stragglers = [i for i in self.popen if self.popen[i].poll() is None]
         self._signal(stragglers, signal.SIGKILL)
         self._wait(stragglers, 5.0)
@@ -316,11 +375,11 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
     name, spec = load_manifest(path)
     wd = Path(workdir) if workdir else Path(tempfile.mkdtemp(prefix=f"easerve-{name}-"))
     launcher = Launcher(name, spec, port, wd, env)
-    stopping = False
+    signals = 0
 
     def on_signal(signum: int, frame: Any) -> None:
-        nonlocal stopping
-        stopping = True
+        nonlocal signals
+        signals += 1
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -340,14 +399,10 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
         launcher.url,
         wd,
     )
-    reported: set[int] = set()
-    while not stopping:
-        launcher.poll_dead(reported)
-        if len(reported) == len(launcher.procs):
-            log.error("every process exited")
-            return 1
+    while not signals:
+        launcher.supervise()
         time.sleep(0.2)
-    log.info("stopping: draining the frontend, then the workers")
-    launcher.stop()
+    log.info("stopping: draining the frontend, then the workers (a second signal kills at once)")
+    launcher.stop(abort=lambda: signals > 1)
     log.info("stopped")
     return 0

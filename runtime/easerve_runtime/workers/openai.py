@@ -18,10 +18,13 @@ import hashlib
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from easerve_runtime.api import Modality
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
+
+from easerve_runtime.api import LimitsSpec, Modality
 from easerve_runtime.engines.base import MediaPart
 
 MAX_PART_BYTES = 20 * 1024 * 1024
@@ -45,11 +48,189 @@ ACCEPTS: dict[str, tuple[str, ...]] = {
 _DATA_URL = re.compile(r"^data:([\w.+-]+/[\w.+-]+)?((?:;[\w-]+=[\w.-]+)*)(;base64)?,(.*)$", re.S)
 
 
+HEADER_PREFIX_CHARS = 64 * 1024
+"""Base64 characters decoded first to read an image header (pixel limit) before the full decode."""
+
+
 class RequestError(ValueError):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, limit: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.limit = limit
+
+
+# -- the request models: validate the JSON shape and generate /openapi.json -----------------------
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class ImageURL(_Open):
+    url: StrictStr = Field(description="data:<mime>;base64,<data> (remote URLs are not fetched).")
+    detail: StrictStr | None = None
+
+
+class InputAudio(_Open):
+    data: StrictStr = Field(description="Base64 audio bytes.")
+    format: StrictStr = Field(default="wav", description="wav, mp3, flac or ogg.")
+
+
+class VideoURL(_Open):
+    url: StrictStr = Field(description="data:<mime>;base64,<data> of an mp4, webm or avi container.")
+    frames: StrictInt | None = Field(default=None, ge=1, le=1024, description="Frames sampled by the encoder.")
+
+
+class ContentPart(_Open):
+    """One part of a message's content: text, an image, an audio clip or a video."""
+
+    type: Literal["text", "image_url", "input_audio", "video_url", "video"]
+    text: StrictStr | None = None
+    image_url: ImageURL | StrictStr | None = None
+    input_audio: InputAudio | None = None
+    video_url: VideoURL | StrictStr | None = None
+    video: VideoURL | StrictStr | None = None
+
+
+class ChatMessage(_Open):
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: StrictStr | list[ContentPart] | None = None
+
+
+class StreamOptions(_Open):
+    include_usage: StrictBool = False
+
+
+class ChatCompletionRequest(_Open):
+    """``POST /v1/chat/completions``: the OpenAI fields EAServe reads (others are accepted and ignored)."""
+
+    model: StrictStr = Field(min_length=1, description="The served model name (GET /v1/models).")
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31 - 1, description="At most spec.limits.maxOutputTokens.")
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1, le=2**31 - 1)
+    stream: StrictBool = False
+    stream_options: StreamOptions | None = None
+    priority: StrictInt | None = Field(default=None, ge=-(2**31), le=2**31 - 1)
+    seed: StrictInt | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+
+
+def _loc(loc: tuple[Any, ...]) -> str:
+    """A pydantic error location as a JSON path, union branch names dropped: messages[0].content[1].type."""
+    out = ""
+    for x in loc:
+        if isinstance(x, int):
+            out += f"[{x}]"
+        elif "[" in x or x in ("str", "int", "bool", "none", "ImageURL", "VideoURL", "function-after"):
+            continue
+        else:
+            out += f".{x}" if out else x
+    return out or "request body"
+
+
+def validate_shape(body: Any) -> ChatCompletionRequest:
+    """Validate the JSON shape with the request models; RequestError names the deepest failing field."""
+    try:
+        return ChatCompletionRequest.model_validate(body)
+    except ValidationError as exc:
+        errs = exc.errors(include_url=False)
+        # a union reports one error per branch: the one that got furthest is the useful one
+        first_field = errs[0]["loc"][:1]
+        same = [e for e in errs if e["loc"][:1] == first_field]
+        err = max(same, key=lambda e: len(e["loc"]))
+        raise RequestError(400, f"{_loc(tuple(err['loc']))}: {err['msg']}") from None
+
+
+def openapi_document(served_model: str) -> dict[str, Any]:
+    """The OpenAPI 3.1 document of the frontend, its request schema taken from the models above."""
+    schema = ChatCompletionRequest.model_json_schema(ref_template="#/components/schemas/{model}")
+    defs = schema.pop("$defs", {})
+    defs["ChatCompletionRequest"] = schema
+    error = {
+        "type": "object",
+        "properties": {
+            "error": {
+                "type": "object",
+                "properties": {"message": {"type": "string"}, "type": {"type": "string"}, "code": {"type": "integer"}},
+            }
+        },
+    }
+    defs["Error"] = error
+    err_ref = {"content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "EAServe frontend", "version": "v1", "description": f"Serves {served_model}."},
+        "paths": {
+            "/v1/chat/completions": {
+                "post": {
+                    "operationId": "createChatCompletion",
+                    "requestBody": {
+                        "required": True,
+                        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ChatCompletionRequest"}}},
+                    },
+                    "responses": {
+                        "200": {"description": "A completion (JSON) or a stream of SSE chunks."},
+                        "400": {"description": "Invalid request; the message names the field or limit.", **err_ref},
+                        "401": {"description": "Missing or wrong API key.", **err_ref},
+                        "404": {"description": "Unknown model.", **err_ref},
+                        "413": {"description": "Body or media part too large.", **err_ref},
+                        "415": {"description": "Content-Type is not application/json.", **err_ref},
+                        "429": {"description": "Admission queue full; see Retry-After.", **err_ref},
+                        "503": {"description": "Not ready or draining; see Retry-After.", **err_ref},
+                    },
+                }
+            },
+            "/v1/models": {"get": {"operationId": "listModels", "responses": {"200": {"description": "Served models."}}}},
+            "/health": {"get": {"operationId": "health", "responses": {"200": {"description": "Ready."}, "503": {"description": "Not ready."}}}},
+        },
+        "components": {"schemas": defs},
+    }
+
+
+JSON_BYTES_PER_CHAR = 6
+"""Most bytes one text character takes in a JSON body (a \\uXXXX escape)."""
+BODY_OVERHEAD_BYTES = 64 * 1024
+"""Room for everything in a body that is neither prompt text nor media (keys, roles, options)."""
+
+
+def prescreen(raw: bytes, lim: LimitsSpec) -> None:
+    """Refuse a body whose non-media bytes cannot fit ``maxPromptTokens`` of text, before parsing it.
+
+    Parsing a 10 MB prompt only to count its characters costs tens of milliseconds (more on a
+    busy host) and the memory of a copy; the bytes outside base64 payloads bound the text from
+    above, and finding those payloads is a few ``bytes.find`` calls (C speed). Never refuses a
+    body the full validation would accept.
+    """
+    media = 0
+    i = raw.find(b";base64,")
+    while i >= 0:
+        end = raw.find(b'"', i)
+        if end < 0:
+            break
+        media += end - i
+        i = raw.find(b";base64,", end)
+    text_bytes = len(raw) - media
+    budget = lim.max_prompt_tokens * CHARS_PER_TOKEN * JSON_BYTES_PER_CHAR + BODY_OVERHEAD_BYTES
+    if text_bytes > budget:
+        raise RequestError(
+            400,
+            f"messages: {text_bytes} bytes of text cannot fit spec.limits.maxPromptTokens ({lim.max_prompt_tokens})",
+            "maxPromptTokens",
+        )
+
+
+def json_depth(obj: Any, limit: int) -> int:
+    """Nesting depth of a decoded JSON value, iteratively; stops counting past ``limit``."""
+    depth = 0
+    stack: list[tuple[Any, int]] = [(obj, 1)]
+    while stack:
+        o, d = stack.pop()
+        if isinstance(o, dict | list):
+            depth = max(depth, d)
+            if depth > limit:
+                return depth
+            stack.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return depth
 
 
 @dataclass
@@ -97,15 +278,40 @@ def _b64(path: str, text: str) -> bytes:
     return data
 
 
-def _data_url(path: str, url: Any) -> tuple[str, bytes]:
+def _data_url_text(path: str, url: Any) -> tuple[str, str]:
+    """(mime, base64 text) of a data URL, not decoded yet."""
     if not isinstance(url, str) or not url:
         raise _bad(path, "must be a non-empty string")
     if not url.startswith("data:"):
         raise _bad(path, "only data: URLs are supported (fetching remote URLs is disabled)")
-    m = _DATA_URL.match(url)
+    comma = url.find(",")
+    head = url[: comma + 1] if comma >= 0 else url[:512]
+    m = _DATA_URL.match(head)
     if m is None or not m.group(3):
         raise _bad(path, "malformed data URL: expected data:<mime>;base64,<data>")
-    return (m.group(1) or "").lower(), _b64(path, m.group(4))
+    return (m.group(1) or "").lower(), url[comma + 1 :]
+
+
+def _data_url(path: str, url: Any) -> tuple[str, bytes]:
+    mime, text = _data_url_text(path, url)
+    return mime, _b64(path, text)
+
+
+def _header_size(text: str) -> tuple[int, int] | None:
+    """Image (height, width) from the first bytes of a base64 payload, the rest untouched.
+
+    PNG/GIF/BMP/WebP headers sit in the first 64 bytes; a JPEG's frame header may come after
+    its metadata segments, so a longer prefix is tried next. None if neither says.
+    """
+    for chars in (88, HEADER_PREFIX_CHARS):
+        k = min(len(text), chars) // 4 * 4
+        try:
+            size = image_size(base64.b64decode(text[:k], validate=True))
+        except (binascii.Error, ValueError, struct.error):
+            size = None
+        if size is not None:
+            return size
+    return None
 
 
 def image_size(data: bytes) -> tuple[int, int] | None:
@@ -177,6 +383,15 @@ def audio_seconds(data: bytes, fmt: str) -> float | None:
     return None
 
 
+def _check_pixels(path: str, size: tuple[int, int], lim: LimitsSpec) -> None:
+    if size[0] * size[1] > lim.max_image_pixels:
+        raise _bad(
+            path,
+            f"image of {size[1]}x{size[0]} = {size[0] * size[1]} pixels exceeds spec.limits.maxImagePixels "
+            f"({lim.max_image_pixels})",
+        )
+
+
 def _video_ok(data: bytes) -> bool:
     return data[4:8] == b"ftyp" or data[:4] == b"\x1a\x45\xdf\xa3" or data[:4] == b"RIFF"
 
@@ -206,7 +421,7 @@ def _stripped(content: Any) -> Any:
     return out
 
 
-def _part(path: str, part: Any, accepts: tuple[str, ...]) -> tuple[MediaPart | None, int]:
+def _part(path: str, part: Any, accepts: tuple[str, ...], lim: LimitsSpec) -> tuple[MediaPart | None, int]:
     """One content part -> (media part or None, text characters)."""
     if not isinstance(part, dict):
         raise _bad(path, "content parts must be objects")
@@ -230,10 +445,16 @@ def _part(path: str, part: Any, accepts: tuple[str, ...]) -> tuple[MediaPart | N
     if media_kind == "image":
         obj = part.get("image_url")
         url = obj.get("url") if isinstance(obj, dict) else obj
-        mime, data = _data_url(f"{path}.image_url.url", url)
+        upath = f"{path}.image_url.url"
+        mime, text = _data_url_text(upath, url)
+        size = _header_size(text)  # pixel limit from the header, before the full decode
+        if size is not None:
+            _check_pixels(upath, size, lim)
+        data = _b64(upath, text)
         size = image_size(data)
         if size is None or min(size) <= 0:
-            raise _bad(f"{path}.image_url.url", "not a decodable image (png, jpeg, gif, webp or bmp)")
+            raise _bad(upath, "not a decodable image (png, jpeg, gif, webp or bmp)")
+        _check_pixels(upath, size, lim)
         return MediaPart("image", data, mime, {"height": size[0], "width": size[1]}), 0
     if media_kind == "audio":
         obj = part.get("input_audio")
@@ -246,6 +467,11 @@ def _part(path: str, part: Any, accepts: tuple[str, ...]) -> tuple[MediaPart | N
             raise _bad(
                 f"{path}.input_audio.data", f"not decodable audio of format {fmt!r} (wav, mp3, flac, ogg)"
             )
+        if secs > lim.max_audio_seconds:
+            raise _bad(
+                f"{path}.input_audio.data",
+                f"{secs:.1f} s of audio exceeds spec.limits.maxAudioSeconds ({lim.max_audio_seconds:g} s)",
+            )
         return MediaPart("audio", data, f"audio/{fmt}", {"audio_s": round(secs, 3)}), 0
     obj = part.get("video_url") if kind == "video_url" else part.get("video")
     url = obj.get("url") if isinstance(obj, dict) else obj
@@ -255,11 +481,37 @@ def _part(path: str, part: Any, accepts: tuple[str, ...]) -> tuple[MediaPart | N
     frames = obj.get("frames", DEFAULT_VIDEO_FRAMES) if isinstance(obj, dict) else DEFAULT_VIDEO_FRAMES
     if isinstance(frames, bool) or not isinstance(frames, int) or not 1 <= frames <= 1024:
         raise _bad(f"{path}.{kind}.frames", "must be an integer between 1 and 1024")
+    if frames > lim.max_video_frames:
+        raise _bad(f"{path}.{kind}.frames", f"{frames} frames exceed spec.limits.maxVideoFrames ({lim.max_video_frames})")
     return MediaPart("video", data, mime, {"frames": frames, "height": VIDEO_SIDE, "width": VIDEO_SIDE}), 0
 
 
-def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) -> ChatRequest:
-    """Validate a decoded JSON body; raise RequestError naming the field on any problem."""
+def _text_chars(msg: Any) -> int:
+    """Characters of text in one message (0 for anything malformed: the full parse reports it)."""
+    if not isinstance(msg, dict):
+        return 0
+    c = msg.get("content")
+    if isinstance(c, str):
+        return len(c)
+    if isinstance(c, list):
+        return sum(len(p["text"]) for p in c if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
+def parse_chat_request(
+    body: Any,
+    served_names: tuple[str, ...],
+    modality: str,
+    limits: LimitsSpec | None = None,
+    media_tokens: Callable[[MediaPart], int] | None = None,
+) -> ChatRequest:
+    """Validate a decoded JSON body; raise RequestError naming the field or the limit on any problem.
+
+    ``limits`` (``spec.limits``) bounds what one request may ask for; ``media_tokens`` sizes a media
+    part in LLM tokens (the profile's patching) for the prompt and context limits. Text is checked
+    before any media is decoded, so an oversized prompt is refused at the cost of a length.
+    """
+    lim = limits or LimitsSpec()
     if not isinstance(body, dict):
         raise RequestError(400, "request body: must be a JSON object")
     model = body.get("model")
@@ -267,12 +519,22 @@ def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) 
         raise _bad("model", "is required (a string)")
     if model not in served_names:
         raise _bad("model", f"unknown model {model!r}; this deployment serves {served_names[0]!r}", 404)
+    validate_shape(body)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("messages", "is required (a non-empty list)")
     accepts = ACCEPTS.get(modality, ("image",))
+    chars = sum(_text_chars(m) for m in messages)
+    if math.ceil(chars / CHARS_PER_TOKEN) > lim.max_prompt_tokens:
+        raise RequestError(
+            400,
+            f"messages: about {math.ceil(chars / CHARS_PER_TOKEN)} prompt tokens of text exceed "
+            f"spec.limits.maxPromptTokens ({lim.max_prompt_tokens})",
+            "maxPromptTokens",
+        )
     parts: list[MediaPart] = []
     chars = 0
+    images = 0
     for i, msg in enumerate(messages):
         p = f"messages[{i}]"
         if not isinstance(msg, dict):
@@ -284,7 +546,14 @@ def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) 
             chars += len(content)
         elif isinstance(content, list):
             for j, part in enumerate(content):
-                mp, n = _part(f"{p}.content[{j}]", part, accepts)
+                if isinstance(part, dict) and part.get("type") == "image_url":
+                    images += 1
+                    if images > lim.max_images_per_request:
+                        raise _bad(
+                            f"{p}.content[{j}]",
+                            f"more than spec.limits.maxImagesPerRequest ({lim.max_images_per_request}) images",
+                        )
+                mp, n = _part(f"{p}.content[{j}]", part, accepts, lim)
                 chars += n
                 if mp is not None:
                     parts.append(mp)
@@ -295,7 +564,7 @@ def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) 
         else:
             raise _bad(f"{p}.content", "must be a string or a list of content parts")
     key = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, key, 1, MAX_OUTPUT_TOKENS, DEFAULT_MAX_TOKENS)
+    max_tokens = _int(body, key, 1, 2**31 - 1, min(DEFAULT_MAX_TOKENS, lim.max_output_tokens))
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("stream", "must be a boolean")
@@ -309,7 +578,24 @@ def parse_chat_request(body: Any, served_names: tuple[str, ...], modality: str) 
         seed = int.from_bytes(digest, "little") & 0x7FFFFFFF
     elif isinstance(seed, bool) or not isinstance(seed, int):
         raise _bad("seed", "must be an integer")
+    if max_tokens > lim.max_output_tokens:
+        raise _bad(key, f"{max_tokens} exceeds spec.limits.maxOutputTokens ({lim.max_output_tokens})")
     text_tokens = max(1, math.ceil(chars / CHARS_PER_TOKEN))
+    prompt = text_tokens + (sum(media_tokens(mp) for mp in parts) if media_tokens is not None else 0)
+    if prompt > lim.max_prompt_tokens:
+        raise RequestError(
+            400,
+            f"messages: {prompt} prompt tokens (text and media) exceed spec.limits.maxPromptTokens "
+            f"({lim.max_prompt_tokens})",
+            "maxPromptTokens",
+        )
+    if prompt + max_tokens > lim.max_context_tokens:
+        raise RequestError(
+            400,
+            f"{key}: {prompt} prompt tokens + {max_tokens} output tokens exceed spec.limits.maxContextTokens "
+            f"({lim.max_context_tokens})",
+            "maxContextTokens",
+        )
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0)
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:

@@ -10,10 +10,17 @@ instance here and call ``client.direct``. Two failure cases matter:
   would fail until it expires;
 - the stream breaks after items arrived: the request was partly served and cannot be replayed
   silently; the caller gets :class:`StageError` and reports it to its client.
+
+A worker that dies or hangs without closing its streams (SIGSTOP, a wedged event loop) would
+leave its callers waiting forever. While a stream is silent the pool re-checks, every
+``WATCH_S``, that its instance is still registered: discovery drops an instance whose lease
+lapsed (its keep-alive stops with the process), so a hung worker leaves routing within the lease
+TTL, and its in-flight requests get an explicit :class:`StageError` at that moment.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
@@ -23,6 +30,11 @@ from easerve_runtime.workers.dynamo_rt import is_unavailable
 
 QUARANTINE_S = 30.0
 MAX_ATTEMPTS = 3
+WATCH_S = 1.0
+"""How often a silent stream re-checks that its instance is still registered (seconds)."""
+HUNG_S = 10.0
+"""Silence after which a stream of an unregistered instance is declared lost. A worker that drains
+on SIGTERM also withdraws its key first, but it keeps streaming, so silence tells the two apart."""
 
 
 class StageError(RuntimeError):
@@ -56,6 +68,8 @@ class Pool:
         self.outstanding: dict[int, int] = {}
         self._quarantine: dict[int, float] = {}
         self._picker = LeastOutstanding()
+        self.watch_s = WATCH_S
+        self.hung_s = HUNG_S
 
     def instances(self) -> list[int]:
         """Live instance ids, quarantined ones excluded."""
@@ -106,7 +120,7 @@ class Pool:
             try:
                 try:
                     stream = await self.client.direct(request, iid, annotated=False)
-                    async for item in stream:
+                    async for item in self._watched(stream, iid):
                         received = True
                         yield item
                     return
@@ -125,3 +139,29 @@ class Pool:
                 else:
                     self.outstanding.pop(iid, None)
         raise StageError(f"no reachable {self.name} instance after {MAX_ATTEMPTS} attempts", retryable=True)
+
+    async def _watched(self, stream: Any, iid: int) -> AsyncIterator[Any]:
+        """Items of ``stream``; StageError if ``iid`` leaves discovery while the stream is silent."""
+        it = stream.__aiter__()
+        while True:
+            nxt = asyncio.ensure_future(it.__anext__())
+            last = self.clock()
+            try:
+                while True:
+                    done, _ = await asyncio.wait({nxt}, timeout=self.watch_s)
+                    if done:
+                        break
+                    if self.clock() - last >= self.hung_s and iid not in self.client.instance_ids():
+                        self.quarantine(iid)
+                        raise StageError(
+                            f"{self.name} instance {iid:x} left discovery and went silent for "
+                            f"{self.clock() - last:.0f} s (dead or hung)"
+                        )
+            except BaseException:
+                nxt.cancel()
+                raise
+            try:
+                item = nxt.result()
+            except StopAsyncIteration:
+                return
+            yield item

@@ -2,8 +2,11 @@
 
 Frontend -> encode (``<ns>.encode.generate``), one request::
 
-    {"id", "seed", "text_tokens", "max_tokens", "priority",
+    {"id", "seed", "text_tokens", "max_tokens", "priority", "deadline",
      "parts": [{"kind", "mime", "media": {...}, "b64"}]}
+
+  ``deadline`` is the request's absolute deadline (Unix seconds, ``spec.limits.requestTimeoutSeconds``
+  after admission); it rides along to prefill in the envelope's request entries.
 
   streams back ``{"token": int}`` items, then ``{"done": true, "route", "prompt_tokens"}``, or
   ``{"error": str}`` at any point.
@@ -66,6 +69,7 @@ def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
         "mm_tokens": int(mm_tokens),
         "max_tokens": int(req["max_tokens"]),
         "priority": int(req.get("priority", 0)),
+        "deadline": float(req.get("deadline") or 0.0),
     }
     for k in ("temperature", "top_p"):  # sampling, when the client set it (the sim engine ignores it)
         if k in req:
