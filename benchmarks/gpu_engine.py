@@ -92,9 +92,11 @@ class Results:
 
 
 def model_dir(out: Path) -> Path:
+    """The 7B config directory, outside ``--out`` (only the JSON and the plot belong there)."""
     from easerve_runtime.models.init import init_model
 
-    d = out / "llava-next-7b"
+    del out
+    d = Path(os.environ.get("EASERVE_MODEL_CACHE", "/tmp/easerve-models")) / "llava-next-7b"
     if not (d / "config.json").exists():
         init_model("llava-next", d, size="7b", weights=False)
     return d
