@@ -26,6 +26,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+from easerve_runtime.policies.knobs import apply_knobs
 from easerve_runtime.policies.router import DeficitRouter, LeastOutstanding, Route
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
@@ -310,6 +311,17 @@ class EncodeWorker(Busy):
         self.outstanding += 1
         self.batcher.on_arrival(job, self.loop.now)
         self._kick()
+
+    def apply_knobs(self, change: Any) -> Any:
+        """A live knob change (``policies.knobs.KnobChange``), exactly as the live encode worker
+        takes it (``apply_knobs``): pending jobs stay queued, the next poll uses the new values."""
+        res = apply_knobs(
+            self.batcher, self.router, change, has_local=self.local is not None, has_remote=bool(self.remote)
+        )
+        self.batcher = res.batcher
+        self._wake_at = None  # the dispatch deadline may have moved
+        self._kick()
+        return res
 
     def _kick(self) -> None:
         if self.busy:

@@ -101,7 +101,11 @@ class EncodeWorker:
         queued and the loop is woken because the dispatch deadline may have moved.
         """
         res = apply_knobs(
-            self.batcher, self.router, change, has_local=self.local is not None, has_remote=self.remote is not None
+            self.batcher,
+            self.router,
+            change,
+            has_local=self.local is not None,
+            has_remote=self.remote is not None,
         )
         self.batcher = res.batcher
         update: dict[str, Any] = {}
