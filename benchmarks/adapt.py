@@ -193,13 +193,19 @@ def run_case(
     mean = len(reqs) / horizon
     q = args.rate_step
     cur = [Knobs(spec.encode.batch_bound, float(spec.offload.ratio))]
-    base = grid_retuner(ev, lambda: cur[0], tuple(args.batch_bounds), tuple(args.ratios))
+    grid = (tuple(args.batch_bounds), tuple(args.ratios))
+    # (a) and (b) are tuned FOR a rate (as HAS does); the autopilot scores at the top of its band
+    fixed = grid_retuner(ev, lambda: cur[0], *grid)
+    base = grid_retuner(ev, lambda: cur[0], *grid, headroom=args.band)
+
+    def quant(r: float) -> float:
+        return max(q, round(r / q) * q)
 
     def retune(r: float, pinned: frozenset[str]) -> Any:
-        return base(max(q, round(r / q) * q), pinned)
+        return base(quant(r), pinned)
 
-    ka = retune(first, frozenset()).knobs
-    kb = retune(mean, frozenset()).knobs
+    ka = fixed(quant(first), frozenset()).knobs
+    kb = fixed(quant(mean), frozenset()).knobs
     observer = Observer(spec, args.window)
     out: dict[str, Any] = {"first_rate_value": first, "mean_rate_value": mean, "requests": len(reqs)}
     out["first_rate"] = replay(spec, reqs, ka, args.tick, observer, None)
@@ -273,12 +279,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--guard", type=float, default=40.0)
     p.add_argument("--rate-step", type=float, default=0.25)
     p.add_argument("--batch-bounds", type=int, nargs="+", default=[1, 4, 16])
-    p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.25, 0.5, 0.75, 1.0])
+    p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.6, 0.75, 1.0])
     p.add_argument("--tune-requests", type=int, default=200)
+    p.add_argument(
+        "--layout-ratio",
+        type=float,
+        default=None,
+        help="run the spec with this offload.ratio (a layout with local prefill when < 1; s can then move live)",
+    )
     p.add_argument("--plot-dir", default="docs/img")
     args = p.parse_args(argv)
     t0 = time.process_time()
     _, spec = load_manifest(args.file)
+    if args.layout_ratio is not None:
+        spec = spec.model_copy(
+            update={"offload": spec.offload.model_copy(update={"ratio": args.layout_ratio})}
+        )
+        if args.layout_ratio < 1 and str(spec.sm_partition.mode) == "none":
+            spec = spec.model_copy(
+                update={"sm_partition": spec.sm_partition.model_copy(update={"mode": "dynamic"})}
+            )
     if not spec.has_local_prefill:
         print("adapt.py: the spec has no local prefill (s = 1): only B can change live", file=sys.stderr)
         args.ratios = [1.0]
@@ -291,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         "diurnal": diurnal_trace(args.diurnal_mean, args.diurnal_amp, args.diurnal_period),
     }
     Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
-    stem = Path(args.file).stem
+    stem = Path(args.file).stem + ("" if args.layout_ratio is None else f"_s{args.layout_ratio:g}")
     for name, (rate, horizon) in cases.items():
         res = run_case(name, spec, rate, horizon, args, ev)
         plot(name, res, Path(args.plot_dir) / f"adapt_{stem}_{name}.png")
@@ -311,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         }
     out["details"] = details
     out["spec"] = args.file
+    out["layout_ratio"] = args.layout_ratio
     out["tier"] = tier
     out["cluster"] = "not yet: needs the cluster trial runner" if args.cluster else None
     out["cpu_s"] = round(time.process_time() - t0, 1)

@@ -135,6 +135,23 @@ def test_guard_keeps_a_change_that_helped_or_was_not_measured():
     assert [d.kind for d in feed(ap2, 0, 80, 4.0)] == ["retune"]
 
 
+def test_guard_does_not_judge_a_change_when_the_load_moved_meanwhile():
+    ap, _ = _pilot(rollback_tolerance=0.05, min_interval_s=1000)
+    ds = feed(ap, 0, 11, 4.0, good=0.9) + feed(ap, 11, 60, lambda t: 4.0 if t < 20 else 8.0, good=0.5)
+    assert [d.kind for d in ds] == ["retune"]  # good fraction fell, but at twice the load
+
+
+def test_headroom_scores_at_the_top_of_the_band():
+    rates: list[float] = []
+
+    def ev(k: Knobs, rate: float) -> tuple[float, float]:
+        rates.append(rate)
+        return rate, 1.0
+
+    grid_retuner(ev, lambda: START, (1,), (0.5,), headroom=0.3)(2.0, frozenset())
+    assert rates == [pytest.approx(2.6)]
+
+
 def test_bad_inputs():
     with pytest.raises(ValueError, match="tuned_rate"):
         Autopilot(AdaptParams(), START, 0.0, Table())

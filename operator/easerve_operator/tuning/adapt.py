@@ -25,7 +25,9 @@ The loop:
 5. **Guard rail.** The good fraction during the hold (old knobs, already at the new rate) is the
    baseline. Over ``guard_window_s`` after the change, if the mean good fraction falls below
    baseline − ``rollback_tolerance``, the old knobs come back (a ``rollback`` decision) and the
-   reference becomes the current rate, so the same change is not retried at once.
+   reference becomes the current rate, so the same change is not retried at once. If the rate
+   leaves the new band during the guard window, before and after are not like for like and the
+   change is kept (the band logic re-tunes instead).
 """
 
 from __future__ import annotations
@@ -107,6 +109,7 @@ class _Guard:
     baseline: float | None
     until: float
     fractions: list[float] = field(default_factory=list)
+    comparable: bool = True
 
 
 class Autopilot:
@@ -205,11 +208,15 @@ class Autopilot:
         assert g is not None
         if good_fraction is not None:
             g.fractions.append(good_fraction)
+        if self.side(rate) != 0:
+            g.comparable = False
         if now < g.until:
             return None
         self._guard = None
-        if g.baseline is None or not g.fractions:
-            return None  # nothing measured: keep the change (the twin's prediction stands)
+        if g.baseline is None or not g.fractions or not g.comparable:
+            # nothing measured, or the load moved out of the band meanwhile (before and after are
+            # then not like for like): keep the change, the band logic takes it from here
+            return None
         after = statistics.fmean(g.fractions)
         if after >= g.baseline - self.params.rollback_tolerance:
             return None
@@ -234,8 +241,13 @@ def grid_retuner(
     current: Callable[[], Knobs],
     batch_bounds: tuple[int, ...],
     ratios: tuple[float, ...],
+    headroom: float = 0.0,
 ) -> Retuner:
     """A re-tuner over a small (B, s) grid: ``evaluate(knobs, rate) -> (goodput, mean TTFT)``.
+
+    ``headroom``: candidates are scored at rate·(1+headroom). Pass the band: the knobs stay in
+    force until the rate leaves the band, so they must hold at its top edge, not only at its
+    centre (a pick that is best at r but collapses at r·(1+band) is a bad bet while the load rises).
 
     The pick is the highest goodput; within 1 % of it the lowest mean TTFT (HAS's selection rule),
     so near-ties at light load do not flip the knobs for nothing. Pinned knobs keep their current
@@ -246,7 +258,8 @@ def grid_retuner(
         cur = current()
         bs = (cur.batch_bound,) if "batch_bound" in pinned else batch_bounds
         ss = (cur.offload_ratio,) if "offload_ratio" in pinned else ratios
-        scored = [(evaluate(Knobs(b, s), rate), Knobs(b, s)) for b in bs for s in ss]
+        at = rate * (1.0 + headroom)
+        scored = [(evaluate(Knobs(b, s), at), Knobs(b, s)) for b in bs for s in ss]
         best_g = max(g for (g, _), _ in scored)
         near = [(ttft, k, g) for (g, ttft), k in scored if g >= best_g * 0.99]
         ttft, k, g = min(near, key=lambda x: (x[0], x[1].batch_bound, x[1].offload_ratio))
