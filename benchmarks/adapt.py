@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate-step", type=float, default=0.25)
     p.add_argument("--batch-bounds", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--ratios", type=float, nargs="+", default=[0.0, 0.25, 0.4, 0.5, 0.6, 0.75, 1.0])
-    p.add_argument("--tune-requests", type=int, default=200)
+    p.add_argument("--tune-requests", type=int, default=500)
     p.add_argument(
         "--layout-ratio",
         type=float,
