@@ -90,6 +90,22 @@ class Metrics:
             "The batcher's online arrival-rate estimate (requests/s).",
             registry=r,
         )
+        self.encode_batch_bound = Gauge(
+            f"{PREFIX}_encode_batch_bound",
+            "B in force: the most requests per encode micro-batch (changes live, docs/adapt.md).",
+            registry=r,
+        )
+        self.offload_ratio = Gauge(
+            f"{PREFIX}_router_offload_ratio",
+            "s in force: the fraction of prefills routed remote (changes live, docs/adapt.md).",
+            registry=r,
+        )
+        self.knob_updates = Counter(
+            f"{PREFIX}_knob_updates",
+            "Live knob changes taken from the config file, by outcome (applied|refused|roll).",
+            ["outcome"],
+            registry=r,
+        )
         self.encode_seconds = Histogram(
             f"{PREFIX}_encode_batch_seconds",
             "Engine time per encode micro-batch.",

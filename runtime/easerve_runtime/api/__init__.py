@@ -40,6 +40,7 @@ from easerve_runtime.api.runtime_config import (
     dynamo_namespace,
 )
 from easerve_runtime.api.spec import (
+    AdaptSpec,
     Allocation,
     AuthSpec,
     Backend,
@@ -143,6 +144,7 @@ __all__ = [
     "StagesStatus",
     "TIER_NAMES",
     "TuningSpec",
+    "AdaptSpec",
     "VERSION",
     "cross_field_errors",
     "dynamo_namespace",

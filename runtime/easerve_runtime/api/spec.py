@@ -279,6 +279,43 @@ class SLOSpec(Model):
         raise KeyError(name)
 
 
+class AdaptSpec(Model):
+    """The autopilot (docs/adapt.md): re-tune B and s live when the observed rate leaves a band."""
+
+    enabled: bool = Field(default=False, description="Follow the observed arrival rate with live B and s changes.")
+    band: float = Field(
+        default=0.3,
+        gt=0,
+        le=10,
+        description="Relative band around the tuned rate: re-tune once the rate is above rate*(1+band) or below rate/(1+band).",
+    )
+    hold_seconds: float = Field(
+        default=30.0,
+        ge=0,
+        le=86_400,
+        description="Hysteresis: the rate must stay outside the band (on one side) this long before a re-tune.",
+    )
+    min_interval_seconds: float = Field(
+        default=120.0, ge=0, le=86_400, description="Fewest seconds between two applied changes."
+    )
+    guard_window_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        le=86_400,
+        description="Window after a change over which goodput is measured; worse than before means roll back.",
+    )
+    rollback_tolerance: float = Field(
+        default=0.05,
+        ge=0,
+        le=1,
+        description="Roll back when the good fraction (goodput / arrival rate) drops by more than this after a change.",
+    )
+    allow_allocation_changes: bool = Field(
+        default=False,
+        description="Apply allocation changes with a roll; by default they are only recommended in status.",
+    )
+
+
 class TuningSpec(Model):
     enabled: bool = Field(default=False, description="Run HAS and report the best configuration in status.")
     target_rate: float | None = Field(default=None, gt=0, le=10_000, description="Λ: target arrival rate, req/s.")
@@ -287,6 +324,7 @@ class TuningSpec(Model):
     objective: str = Field(
         default="throughput", pattern=r"^(throughput|goodput@[a-z0-9-]+)$", description="throughput or goodput@TIER."
     )
+    adapt: AdaptSpec = Field(default_factory=AdaptSpec, description="Online adaptation of B and s to the observed rate.")
 
 
 class DiscoverySpec(Model):

@@ -112,6 +112,12 @@ class RateEstimator:
         self._sum_gap = self._sum_gap * decay + gap
         self._sum_w = self._sum_w * decay + 1.0
 
+    def set_half_life(self, half_life_s: float) -> None:
+        """Change the half-life live: the sums so far keep their weights, later decay uses the new one."""
+        if not half_life_s > 0:
+            raise ValueError(f"half_life_s must be > 0, got {half_life_s}")
+        self._k = _LN2 / half_life_s
+
     @property
     def last_arrival(self) -> float | None:
         return self._last
@@ -145,6 +151,17 @@ class _Queue(Generic[T]):
         self._items: deque[T] = deque()
         self._times: deque[float] = deque()
         self._rate = RateEstimator(half_life_s)
+
+    def set_batch_bound(self, batch_bound: int) -> None:
+        """Change B live. Pending items stay queued in order; if more than the new B are pending,
+        the next ``poll`` dispatches a FULL batch of B, exactly as if they had piled up under it."""
+        if isinstance(batch_bound, bool) or not isinstance(batch_bound, int) or batch_bound < 1:
+            raise ValueError(f"batch_bound must be an integer >= 1, got {batch_bound!r}")
+        self.batch_bound = batch_bound
+
+    def _adopt(self, other: _Queue[T]) -> None:
+        """Take over another batcher's pending items and rate estimate (a live policy switch)."""
+        self._items, self._times, self._rate = other._items, other._times, other._rate
 
     def on_arrival(self, item: T, now: float) -> None:
         self._rate.observe(now)
@@ -203,6 +220,16 @@ class PoissonGapBatcher(_Queue[T]):
         self.gap_quantile = float(gap_quantile)
         self._gap_k = -math.log1p(-gap_quantile)
 
+    def set_params(self, max_age_s: float, gap_quantile: float) -> None:
+        """Change the valve and the quantile live; the next poll uses them."""
+        if not max_age_s > 0:
+            raise ValueError(f"max_age_s must be > 0, got {max_age_s}")
+        if not 0.0 < gap_quantile < 1.0:
+            raise ValueError(f"gap_quantile must be in (0, 1), got {gap_quantile}")
+        self.max_age_s = float(max_age_s)
+        self.gap_quantile = float(gap_quantile)
+        self._gap_k = -math.log1p(-gap_quantile)
+
     def gap_s(self) -> float:
         """g = -ln(1-q)/λ̂ in seconds; inf while λ̂ is unknown."""
         return self._gap_k * self._rate.mean_gap
@@ -246,6 +273,12 @@ class FixedTimeoutBatcher(_Queue[T]):
 
     def __init__(self, batch_bound: int, timeout_s: float, half_life_s: float = 1.0) -> None:
         super().__init__(batch_bound, half_life_s)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
+
+    def set_params(self, timeout_s: float) -> None:
+        """Change the timeout live; the next poll uses it."""
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.timeout_s = float(timeout_s)
@@ -311,3 +344,29 @@ def make_batcher(spec: EncodeSpec) -> Batcher[Any]:
     if policy == DispatchPolicy.EAGER:
         return EagerBatcher(spec.batch_bound, half_life_s=half_life_s)
     raise ValueError(f"spec.encode.dispatch: unknown policy {spec.dispatch!r}")  # pragma: no cover
+
+
+def reconfigure_batcher(batcher: Batcher[T], spec: EncodeSpec) -> Batcher[T]:
+    """Apply ``spec`` (a changed ``spec.encode``) to a RUNNING batcher; returns the batcher to use.
+
+    This is how B and the dispatch parameters change live, in the worker and in the twin alike:
+    nothing pending is dropped or reordered and λ̂ keeps its history. Same policy: the batcher is
+    updated in place and returned. Another policy: a fresh batcher of that policy adopts the
+    pending items and the rate estimate. Lowering B below the pending count is not special: the
+    next poll dispatches a FULL batch of the new B, as if the items had piled up under it.
+    """
+    if not isinstance(batcher, _Queue):
+        raise TypeError(f"reconfigure_batcher: not a batcher of this module: {type(batcher).__name__}")
+    fresh = make_batcher(spec)
+    assert isinstance(fresh, _Queue)
+    if type(fresh) is not type(batcher):
+        fresh._adopt(batcher)
+        fresh._rate.set_half_life(spec.rate_half_life_ms / 1000.0)
+        return fresh
+    batcher.set_batch_bound(spec.batch_bound)
+    batcher._rate.set_half_life(spec.rate_half_life_ms / 1000.0)
+    if isinstance(batcher, PoissonGapBatcher):
+        batcher.set_params(spec.max_age_ms / 1000.0, spec.gap_quantile)
+    elif isinstance(batcher, FixedTimeoutBatcher):
+        batcher.set_params(spec.timeout_ms / 1000.0)
+    return batcher

@@ -38,6 +38,7 @@ from typing import Any
 from easerve_runtime.api import DecodeSpec, EncodeSpec, PrefillSpec
 from easerve_runtime.policies.decode_admission import DecodeAdmission
 from easerve_runtime.policies.envelope import SendWindow
+from easerve_runtime.policies.knobs import apply_knobs
 from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
 from easerve_runtime.policies.prefill_batch import PrefillBatcher
 from easerve_runtime.policies.router import LeastOutstanding
@@ -336,6 +337,17 @@ class EncodeWorker(Busy):
         self.outstanding += 1
         self.batcher.on_arrival(job, self.loop.now)
         self._kick()
+
+    def apply_knobs(self, change: Any) -> Any:
+        """A live knob change (``policies.knobs.KnobChange``), exactly as the live encode worker
+        takes it (``apply_knobs``): pending jobs stay queued, the next poll uses the new values."""
+        res = apply_knobs(
+            self.batcher, self.router.deficit, change, has_local=self.local is not None, has_remote=bool(self.remote)
+        )
+        self.batcher = res.batcher
+        self._wake_at = None  # the dispatch deadline may have moved
+        self._kick()
+        return res
 
     def _kick(self) -> None:
         if self.busy or self._outbox:  # encoding, or waiting for the send window (as live)

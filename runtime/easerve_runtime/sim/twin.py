@@ -10,7 +10,8 @@ outstanding (``LeastOutstanding``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec, SpecError, Stage
@@ -32,11 +33,27 @@ def topology(spec: EPDDeploymentSpec, model: StageModel) -> Topology:
     return plan(spec, Hardware(local_prefill_tp=model.min_tp(), total_sms=model.total_sms or None))
 
 
+@dataclass
+class Control:
+    """A controller that may change live knobs while the twin replays (segment replay).
+
+    Every ``interval_s`` of virtual time from the first arrival until the last one,
+    ``on_tick(now, jobs)`` sees every job so far (arrivals, finished records) and may return a
+    ``policies.knobs.KnobChange``; every encode worker then takes it through the same
+    ``apply_knobs`` the live workers use. What each worker applied or refused is in
+    ``stats["knob_changes"]``.
+    """
+
+    interval_s: float
+    on_tick: Callable[[float, Sequence[Job]], Any]
+
+
 def run_pipeline(
     spec: EPDDeploymentSpec,
     requests: Sequence[Request],
     model: StageModel,
     batcher_factory: Any = None,
+    control: Control | None = None,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -113,6 +130,27 @@ def run_pipeline(
 
     for job in jobs:
         loop.at(job.req.arrival_s, arrive, job)
+    changes: list[dict[str, Any]] = []
+    if control is not None and jobs:
+        if not control.interval_s > 0:
+            raise ValueError(f"Control.interval_s must be > 0, got {control.interval_s}")
+        first, last = jobs[0].req.arrival_s, jobs[-1].req.arrival_s
+
+        def tick(t: float) -> None:
+            change = control.on_tick(t, jobs)
+            if change is not None and change.live:
+                results = [e.apply_knobs(change) for e in encoders]
+                changes.append(
+                    {
+                        "at": t,
+                        "applied": results[0].applied,
+                        "refused": sorted({r for x in results for r in x.refused}),
+                    }
+                )
+            if t + control.interval_s <= last:
+                loop.at(t + control.interval_s, tick, t + control.interval_s)
+
+        loop.at(first + control.interval_s, tick, first + control.interval_s)
     loop.run()
 
     horizon = max((j.rec.finish_s or 0.0) for j in jobs) - min((j.req.arrival_s for j in jobs), default=0.0)
@@ -148,4 +186,6 @@ def run_pipeline(
         "encode_sm_levels": dict(sorted(shares.splits.items())),
         "events": loop.events,
     }
+    if control is not None:
+        stats["knob_changes"] = changes
     return jobs, stats

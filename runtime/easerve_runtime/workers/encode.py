@@ -32,6 +32,7 @@ from easerve_runtime.engines.base import Embedding, EncodeEngine, EncodeInput, M
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.batcher import Dispatch, make_batcher
 from easerve_runtime.policies.envelope import SendWindow, build_envelopes
+from easerve_runtime.policies.knobs import Applied, KnobChange, apply_knobs
 from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
@@ -89,6 +90,41 @@ class EncodeWorker:
         self._arrival = asyncio.Event()
         self._window_free = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        metrics.encode_batch_bound.set(spec.encode.batch_bound)
+        metrics.offload_ratio.set(s)
+
+    # -- live knobs (docs/adapt.md) ------------------------------------------------------------
+    def apply_knobs(self, change: KnobChange) -> Applied:
+        """Take new B / dispatch parameters / s between two requests (no restart, nothing dropped).
+
+        Runs on the event loop, so no batch is being polled concurrently; pending requests stay
+        queued and the loop is woken because the dispatch deadline may have moved.
+        """
+        res = apply_knobs(
+            self.batcher,
+            self.router.deficit,
+            change,
+            has_local=self.local is not None,
+            has_remote=self.remote is not None,
+        )
+        self.batcher = res.batcher
+        update: dict[str, Any] = {}
+        if change.encode is not None:
+            update["encode"] = change.encode
+            self.metrics.encode_batch_bound.set(change.encode.batch_bound)
+        if change.ratio is not None and not res.refused:
+            update["offload"] = self.spec.offload.model_copy(update={"ratio": change.ratio})
+            self.metrics.offload_ratio.set(change.ratio)
+        if update:
+            self.spec = self.spec.model_copy(update=update)
+        for what in res.applied:
+            log.info("live knob applied: %s", what)
+            self.metrics.knob_updates.labels("applied").inc()
+        for why in res.refused:
+            log.warning("live knob refused: %s", why)
+            self.metrics.knob_updates.labels("refused").inc()
+        self._arrival.set()
+        return res
 
     # -- per-request handler (Dynamo endpoint) ----------------------------------------------
     async def generate(self, request: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:

@@ -41,6 +41,67 @@ log = logging.getLogger("easerve.worker")
 STAGES = ("encode", "prefill", "decode", "frontend", "local-prefill")
 OMNI_STAGES = ("omni-shared", "omni-downstream")
 DRAIN_TIMEOUT_S = 60.0
+CONFIG_POLL_S = 1.0
+"""How often a worker stats its config file for a live knob change (one stat call; a kubelet
+refreshes a ConfigMap volume about once a minute, so a second adds nothing noticeable)."""
+
+
+class ConfigFollower:
+    """Follows the mounted config file as a kubelet refreshes a ConfigMap volume.
+
+    The kubelet writes a new timestamped directory and swaps the ``..data`` symlink atomically;
+    ``config.json`` is a symlink through it, so ``os.stat`` (which follows links) sees a new inode.
+    A plain rewrite (``easerve serve``'s local file) changes mtime/size instead. Either way one
+    cheap stat per poll; the file is read and parsed only when that signature moved. A file that
+    does not parse (a rewrite caught half-way, or a bad edit) is skipped and retried at the next
+    change; it never stops the worker.
+    """
+
+    def __init__(self, path: str, spec: EPDDeploymentSpec) -> None:
+        self.path = path
+        self.spec = spec
+        self._sig = self._stat()
+
+    def _stat(self) -> tuple[int, int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def poll(self) -> Any:
+        """The ``KnobChange`` since the last good read, or None when nothing (readable) changed."""
+        from pydantic import ValidationError
+
+        from easerve_runtime.policies.knobs import diff_knobs
+
+        sig = self._stat()
+        if sig is None or sig == self._sig:
+            return None
+        try:
+            with open(self.path) as f:
+                new = RuntimeConfig.from_json(f.read())
+        except (OSError, ValueError, ValidationError) as exc:
+            log.warning("config %s changed but does not load (%s); keeping the running knobs", self.path, exc)
+            return None
+        self._sig = sig
+        change = diff_knobs(self.spec, new.spec)
+        self.spec = new.spec
+        return change
+
+
+async def follow_config(follower: ConfigFollower, worker: Any, metrics: Metrics) -> None:
+    """Apply live knob changes of the config file to ``worker`` (an EncodeWorker); log the rest."""
+    while True:
+        await asyncio.sleep(CONFIG_POLL_S)
+        change = follower.poll()
+        if change is None or change.empty:
+            continue
+        if change.roll:
+            log.warning("config changed; not applied live, needs a roll: %s", ", ".join(change.roll))
+            metrics.knob_updates.labels("roll").inc()
+        if change.live:
+            worker.apply_knobs(change)
 
 
 def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
@@ -88,6 +149,7 @@ async def run_stage(
     port: int = 8000,
     local_key: str | None = None,
     discovery: str | None = None,
+    config_path: str | None = None,
 ) -> int:
     if stage not in STAGES:
         raise ValueError(f"--stage: unknown stage {stage!r} (one of {', '.join(STAGES)})")
@@ -143,6 +205,10 @@ async def run_stage(
     endpoint = runtime.endpoint(endpoint_path(ns, component))
     endpoint.metrics.register_prometheus_expfmt_callback(metrics.exposition)
     loop_task = asyncio.create_task(worker.run(), name=f"{stage}-loop")
+    follow_task = None
+    if stage == "encode" and config_path is not None:  # the only stage with live knobs
+        follower = ConfigFollower(config_path, spec)
+        follow_task = asyncio.create_task(follow_config(follower, worker, metrics), name="config-follow")
     serve_task = asyncio.ensure_future(endpoint.serve_endpoint(worker.generate, graceful_shutdown=True))
     runtime.set_health_status(True)
     log.info("%s worker serving %s", stage, endpoint_path(ns, component))
@@ -159,8 +225,9 @@ async def run_stage(
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - report and exit either way
         if not isinstance(exc, asyncio.CancelledError):
             log.warning("%s: drain ended with %r", stage, exc)
-    for t in (loop_task, stop_task):
-        t.cancel()
+    for t in (loop_task, stop_task, follow_task):
+        if t is not None:
+            t.cancel()
     return rc
 
 
@@ -220,4 +287,4 @@ def run(stage: str, config_path: str, **kw: Any) -> int:
         uvloop.install()
     except ImportError:  # pragma: no cover - uvloop ships with ai-dynamo-runtime
         pass
-    return asyncio.run(run_stage(stage, cfg, **kw))
+    return asyncio.run(run_stage(stage, cfg, config_path=config_path, **kw))

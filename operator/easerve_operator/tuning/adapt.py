@@ -1,0 +1,296 @@
+"""The autopilot: follow the observed arrival rate with live B and s changes (docs/adapt.md).
+
+HAS tunes once, for one declared rate Λ. Traffic drifts, and the best encode batch bound B and
+offload ratio s move with it. Both are live knobs (``easerve_runtime.policies.knobs``): the
+encode workers take them without a restart. This module decides WHEN to change them and TO WHAT.
+It is a pure state machine with an injected clock: the caller feeds ``observe(now, rate,
+good_fraction)`` samples (what the operator reads from Prometheus: the arrival rate over its
+scrape window, and goodput / arrival rate over the same window), and it returns a ``Decision``
+or None. The caller applies decisions (through the ConfigMap on the cluster, through
+``apply_knobs`` on the twin) and records them in status.
+
+The loop:
+
+1. **Band.** The configuration in force was tuned for a reference rate r. A sample is out of band
+   when rate > r·(1+band) or rate < r/(1+band) (symmetric in log space, so a doubling and a
+   halving are the same distance).
+2. **Hold (hysteresis).** A re-tune needs every sample of the last ``hold_s`` seconds out of band
+   on the same side. A noisy rate that pokes out and back never triggers, and after a re-tune
+   the reference becomes the observed rate, so it must move a whole band again: two thresholds,
+   not one.
+3. **Minimum interval.** No two applied changes within ``min_interval_s``.
+4. **Re-tune.** ``retune(rate, pinned)`` answers the best (B, s) for that rate with its predicted
+   goodput (on the twin: seconds, a small grid). Explicit spec values are ``pinned`` and kept.
+   An answer equal to the knobs in force is no change: the reference moves, nothing is applied.
+5. **Guard rail.** The good fraction during the hold (old knobs, already at the new rate) is the
+   baseline. Over ``guard_window_s`` after the change, if the mean good fraction falls below
+   baseline − ``rollback_tolerance``, the old knobs come back (a ``rollback`` decision) and the
+   reference becomes the current rate, so the same change is not retried at once. If the rate
+   leaves the new band during the guard window, before and after are not like for like and the
+   change is kept (the band logic re-tunes instead).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from easerve_runtime.api import AdaptSpec
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """The live knobs the autopilot moves."""
+
+    batch_bound: int
+    offload_ratio: float
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """A re-tuner's answer for one rate."""
+
+    knobs: Knobs
+    predicted_goodput: float
+    allocation: str | None = None
+    """An allocation that would do better (recommended only, unless the spec allows rolls)."""
+
+
+Retuner = Callable[[float, frozenset[str]], Proposal]
+"""``retune(rate, pinned) -> Proposal``; ``pinned`` names knobs to keep ("batch_bound", "offload_ratio")."""
+
+
+@dataclass(frozen=True)
+class AdaptParams:
+    """``spec.tuning.adapt`` in seconds and fractions (see ``AdaptSpec`` for each field)."""
+
+    band: float = 0.3
+    hold_s: float = 30.0
+    min_interval_s: float = 120.0
+    guard_window_s: float = 60.0
+    rollback_tolerance: float = 0.05
+
+    @classmethod
+    def from_spec(cls, a: AdaptSpec) -> AdaptParams:
+        return cls(
+            band=a.band,
+            hold_s=a.hold_seconds,
+            min_interval_s=a.min_interval_seconds,
+            guard_window_s=a.guard_window_seconds,
+            rollback_tolerance=a.rollback_tolerance,
+        )
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One change, as recorded in status: when, why, from what to what, what the twin expects."""
+
+    at: float
+    kind: str  # "retune" | "rollback"
+    observed_rate: float
+    reference_rate: float
+    old: Knobs
+    new: Knobs
+    predicted_goodput: float | None
+    reason: str
+    recommended_allocation: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _Guard:
+    decision: Decision
+    baseline: float | None
+    until: float
+    fractions: list[float] = field(default_factory=list)
+    comparable: bool = True
+
+
+class Autopilot:
+    """The state machine of the module docstring. Feed ``observe``; apply what it returns."""
+
+    def __init__(
+        self,
+        params: AdaptParams,
+        knobs: Knobs,
+        tuned_rate: float,
+        retune: Retuner,
+        *,
+        pinned: frozenset[str] = frozenset(),
+    ) -> None:
+        if not tuned_rate > 0:
+            raise ValueError(f"tuned_rate must be > 0, got {tuned_rate}")
+        self.params = params
+        self.knobs = knobs
+        self.reference_rate = float(tuned_rate)
+        self.retune = retune
+        self.pinned = pinned
+        self.decisions: list[Decision] = []
+        self._samples: deque[tuple[float, float, float | None]] = deque()
+        self._last_change: float | None = None
+        self._guard: _Guard | None = None
+
+    # -- band ---------------------------------------------------------------------------------
+    def side(self, rate: float) -> int:
+        """+1 above the band, -1 below it, 0 inside."""
+        hi = self.reference_rate * (1.0 + self.params.band)
+        lo = self.reference_rate / (1.0 + self.params.band)
+        return 1 if rate > hi else -1 if rate < lo else 0
+
+    def _held_out(self, now: float) -> int:
+        """The side every sample of the last ``hold_s`` is on (0 if mixed, in band, or too short)."""
+        if not self._samples or now - self._samples[0][0] < self.params.hold_s:
+            return 0
+        sides = {self.side(r) for t, r, _ in self._samples if t >= now - self.params.hold_s}
+        if len(sides) != 1:
+            return 0
+        return sides.pop()
+
+    # -- the loop -------------------------------------------------------------------------------
+    def observe(self, now: float, rate: float, good_fraction: float | None = None) -> Decision | None:
+        """One sample: the arrival rate (req/s) and goodput / arrival rate over the same window."""
+        if not (math.isfinite(rate) and rate >= 0):
+            raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+        self._samples.append((now, rate, good_fraction))
+        keep = max(self.params.hold_s, self.params.guard_window_s)
+        while self._samples and self._samples[0][0] < now - keep:
+            self._samples.popleft()
+
+        if self._guard is not None:
+            return self._check_guard(now, rate, good_fraction)
+
+        side = self._held_out(now)
+        if side == 0:
+            return None
+        if self._last_change is not None and now - self._last_change < self.params.min_interval_s:
+            return None
+        held = [r for t, r, _ in self._samples if t >= now - self.params.hold_s]
+        target = statistics.median(held)
+        prop = self.retune(target, self.pinned)
+        new = Knobs(
+            self.knobs.batch_bound if "batch_bound" in self.pinned else prop.knobs.batch_bound,
+            self.knobs.offload_ratio if "offload_ratio" in self.pinned else prop.knobs.offload_ratio,
+        )
+        old_ref = self.reference_rate
+        self.reference_rate = target
+        if new == self.knobs:
+            return None  # already the best for this rate: the band moves, nothing to apply
+        fr = [g for t, _, g in self._samples if t >= now - self.params.hold_s and g is not None]
+        d = Decision(
+            at=now,
+            kind="retune",
+            observed_rate=target,
+            reference_rate=old_ref,
+            old=self.knobs,
+            new=new,
+            predicted_goodput=prop.predicted_goodput,
+            reason=f"rate {target:.3g} req/s {'above' if side > 0 else 'below'} the band around {old_ref:.3g} "
+            f"(band {self.params.band:g}) for {self.params.hold_s:g}s",
+            recommended_allocation=prop.allocation,
+        )
+        self._apply(d, now)
+        self._guard = _Guard(d, statistics.fmean(fr) if fr else None, now + self.params.guard_window_s)
+        return d
+
+    def _apply(self, d: Decision, now: float) -> None:
+        self.knobs = d.new
+        self._last_change = now
+        self.decisions.append(d)
+
+    def _check_guard(self, now: float, rate: float, good_fraction: float | None) -> Decision | None:
+        g = self._guard
+        assert g is not None
+        if good_fraction is not None:
+            g.fractions.append(good_fraction)
+        if self.side(rate) != 0:
+            g.comparable = False
+        if now < g.until:
+            return None
+        self._guard = None
+        if g.baseline is None or not g.fractions or not g.comparable:
+            # nothing measured, or the load moved out of the band meanwhile (before and after are
+            # then not like for like): keep the change, the band logic takes it from here
+            return None
+        after = statistics.fmean(g.fractions)
+        if after >= g.baseline - self.params.rollback_tolerance:
+            return None
+        d = Decision(
+            at=now,
+            kind="rollback",
+            observed_rate=rate,
+            reference_rate=self.reference_rate,
+            old=self.knobs,
+            new=g.decision.old,
+            predicted_goodput=None,
+            reason=f"good fraction {after:.3f} over {self.params.guard_window_s:g}s after the change at "
+            f"{g.decision.at:g}s < {g.baseline:.3f} before it - {self.params.rollback_tolerance:g}",
+        )
+        self._apply(d, now)
+        self.reference_rate = rate if rate > 0 else self.reference_rate
+        return d
+
+
+def grid_retuner(
+    evaluate: Callable[[Knobs, float], tuple[float, float]],
+    current: Callable[[], Knobs],
+    batch_bounds: tuple[int, ...],
+    ratios: tuple[float, ...],
+    headroom: float = 0.0,
+) -> Retuner:
+    """A re-tuner over a small (B, s) grid: ``evaluate(knobs, rate) -> (goodput, mean TTFT)``.
+
+    ``headroom``: candidates are scored at rate·(1+headroom). Pass the band: the knobs stay in
+    force until the rate leaves the band, so they must hold at its top edge, not only at its
+    centre (a pick that is best at r but collapses at r·(1+band) is a bad bet while the load rises).
+
+    The pick is the highest goodput; within 1 % of it the lowest mean TTFT (HAS's selection rule),
+    so near-ties at light load do not flip the knobs for nothing. Pinned knobs keep their current
+    value and are not searched.
+    """
+
+    def retune(rate: float, pinned: frozenset[str]) -> Proposal:
+        cur = current()
+        bs = (cur.batch_bound,) if "batch_bound" in pinned else batch_bounds
+        ss = (cur.offload_ratio,) if "offload_ratio" in pinned else ratios
+        at = rate * (1.0 + headroom)
+        scored = [(evaluate(Knobs(b, s), at), Knobs(b, s)) for b in bs for s in ss]
+        best_g = max(g for (g, _), _ in scored)
+        near = [(ttft, k, g) for (g, ttft), k in scored if g >= best_g * 0.99]
+        ttft, k, g = min(near, key=lambda x: (x[0], x[1].batch_bound, x[1].offload_ratio))
+        return Proposal(k, g)
+
+    return retune
+
+
+def twin_evaluator(
+    spec: Any, tier: str, requests: int = 200, seed: int = 0
+) -> Callable[[Knobs, float], tuple[float, float]]:
+    """``evaluate(knobs, rate)`` on the twin: the spec with these live knobs, Poisson at ``rate``.
+
+    The allocation and layout stay the spec's (only live knobs move), so local prefill workers
+    exist whenever the spec has them, as they do in the running pods. Results are cached.
+    """
+    from easerve_runtime.sim.runner import run_trial
+
+    cache: dict[tuple[int, float, float], tuple[float, float]] = {}
+
+    def evaluate(k: Knobs, rate: float) -> tuple[float, float]:
+        key = (k.batch_bound, k.offload_ratio, round(rate, 3))
+        if key not in cache:
+            sp = spec.model_copy(
+                update={
+                    "encode": spec.encode.model_copy(update={"batch_bound": k.batch_bound}),
+                    "offload": spec.offload.model_copy(update={"ratio": k.offload_ratio}),
+                }
+            )
+            m = run_trial(sp, rate, requests, seed)
+            cache[key] = (float(m["goodput"][tier]), float(m["ttft_mean"] or math.inf))
+        return cache[key]
+
+    return evaluate

@@ -1,0 +1,181 @@
+"""The autopilot's state machine under an injected clock: band exit, hysteresis against a noisy
+rate, minimum interval, pinned knobs, and the guard rail's rollback."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from easerve_operator.tuning.adapt import (
+    AdaptParams,
+    Autopilot,
+    Knobs,
+    Proposal,
+    grid_retuner,
+)
+from easerve_runtime.api import AdaptSpec, load_manifest
+
+START = Knobs(8, 0.5)
+
+
+class Table:
+    """A re-tuner that answers from a rate -> knobs rule and remembers its calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[float, frozenset[str]]] = []
+
+    def __call__(self, rate: float, pinned: frozenset[str]) -> Proposal:
+        self.calls.append((rate, pinned))
+        return Proposal(Knobs(16 if rate > 3 else 4, 0.7 if rate > 3 else 0.3), predicted_goodput=rate * 0.9)
+
+
+def _pilot(**kw: float) -> tuple[Autopilot, Table]:
+    t = Table()
+    p = AdaptParams(**{"band": 0.3, "hold_s": 10, "min_interval_s": 60, "guard_window_s": 20, **kw})
+    return Autopilot(p, START, tuned_rate=1.0, retune=t), t
+
+
+def feed(ap: Autopilot, t0: float, t1: float, rate, good=None, dt: float = 1.0):
+    out = []
+    t = t0
+    while t < t1:
+        r = rate(t) if callable(rate) else rate
+        g = good(t) if callable(good) else good
+        d = ap.observe(t, r, g)
+        if d is not None:
+            out.append(d)
+        t += dt
+    return out
+
+
+def test_in_band_never_retunes():
+    ap, t = _pilot()
+    assert feed(ap, 0, 300, lambda x: 1.0 + 0.25 * ((x % 2) - 0.5)) == []
+    assert t.calls == []
+
+
+def test_band_exit_held_retunes_once_with_the_observed_rate():
+    ap, t = _pilot()
+    ds = feed(ap, 0, 10, 1.0) + feed(ap, 10, 40, 4.0)
+    assert len(ds) == 1
+    d = ds[0]
+    assert d.kind == "retune" and d.at == 20  # 10 s held out of band (samples 10..20)
+    assert d.old == START and d.new == Knobs(16, 0.7) and d.observed_rate == 4.0
+    assert d.reference_rate == 1.0 and d.predicted_goodput == pytest.approx(3.6)
+    assert ap.knobs == Knobs(16, 0.7) and ap.reference_rate == 4.0
+    assert len(t.calls) == 1
+
+
+def test_noisy_rate_poking_out_of_the_band_does_not_flap():
+    """A rate that pokes out of the band at random, but never for the whole hold, never retunes
+    (runs of out-of-band samples capped at 5 s < hold 10 s; 40 % of samples are out)."""
+    ap, t = _pilot()
+    rng = random.Random(7)
+    run = 0
+
+    def noisy(_x: float) -> float:
+        nonlocal run
+        out = rng.random() < 0.4 and run < 5
+        run = run + 1 if out else 0
+        return rng.uniform(1.35, 3.0) if out else rng.uniform(0.8, 1.25)
+
+    ds = feed(ap, 0, 600, noisy)
+    assert ds == [] and t.calls == []
+
+
+def test_hysteresis_after_a_retune_needs_a_whole_band_again():
+    ap, _ = _pilot(min_interval_s=0)
+    ds = feed(ap, 0, 30, 4.0)
+    assert len(ds) == 1 and ap.reference_rate == 4.0
+    # back to 3.5: inside the new band around 4 -> nothing, although it was outside the old one
+    assert feed(ap, 30, 200, 3.5) == []
+    # a real drop (below 4/1.3) retunes
+    ds = feed(ap, 200, 260, 2.0)
+    assert len(ds) == 1 and ds[0].new == Knobs(4, 0.3)
+
+
+def test_min_interval_spaces_changes():
+    ap, _ = _pilot(min_interval_s=100)
+    ds = feed(ap, 0, 30, 4.0) + feed(ap, 30, 200, 1.0)
+    assert [d.at for d in ds] == [10, 110]  # the drop at 30 waits for the interval (10 + 100)
+
+
+def test_same_answer_moves_the_band_without_a_change():
+    t = Table()
+    ap = Autopilot(AdaptParams(band=0.3, hold_s=5, min_interval_s=0), Knobs(16, 0.7), 4.0, t)
+    assert feed(ap, 0, 20, 6.0) == []  # the table says (16, 0.7) for 6 too
+    assert len(t.calls) == 1 and ap.reference_rate == 6.0 and ap.decisions == []
+
+
+def test_pinned_knobs_are_kept():
+    t = Table()
+    ap = Autopilot(AdaptParams(hold_s=5, min_interval_s=0), START, 1.0, t, pinned=frozenset({"batch_bound"}))
+    (d,) = feed(ap, 0, 20, 4.0)
+    assert d.new == Knobs(8, 0.7) and t.calls[0][1] == frozenset({"batch_bound"})
+
+
+def test_guard_rolls_back_a_change_that_made_goodput_worse():
+    ap, _ = _pilot(rollback_tolerance=0.05)
+    # before and during the hold (old knobs at the new rate) 90 % of requests are good; after: 60 %
+    ds = feed(ap, 0, 11, 4.0, good=0.9) + feed(ap, 11, 60, 4.0, good=0.6)  # retune at 10
+    assert [d.kind for d in ds] == ["retune", "rollback"]
+    rb = ds[1]
+    assert rb.at == 30 and rb.old == Knobs(16, 0.7) and rb.new == START
+    assert ap.knobs == START and "0.600" in rb.reason and "0.900" in rb.reason
+    assert [d.kind for d in ap.decisions] == ["retune", "rollback"]
+    # the rolled-back change is not retried while the rate stays where it is
+    assert feed(ap, 60, 400, 4.0, good=0.9) == []
+
+
+def test_guard_keeps_a_change_that_helped_or_was_not_measured():
+    ap, _ = _pilot()
+    ds = feed(ap, 0, 11, 4.0, good=0.6) + feed(ap, 11, 80, 4.0, good=0.95)
+    assert [d.kind for d in ds] == ["retune"] and ap.knobs == Knobs(16, 0.7)
+    ap2, _ = _pilot()
+    assert [d.kind for d in feed(ap2, 0, 80, 4.0)] == ["retune"]
+
+
+def test_guard_does_not_judge_a_change_when_the_load_moved_meanwhile():
+    ap, _ = _pilot(rollback_tolerance=0.05, min_interval_s=1000)
+    ds = feed(ap, 0, 11, 4.0, good=0.9) + feed(ap, 11, 60, lambda t: 4.0 if t < 20 else 8.0, good=0.5)
+    assert [d.kind for d in ds] == ["retune"]  # good fraction fell, but at twice the load
+
+
+def test_headroom_scores_at_the_top_of_the_band():
+    rates: list[float] = []
+
+    def ev(k: Knobs, rate: float) -> tuple[float, float]:
+        rates.append(rate)
+        return rate, 1.0
+
+    grid_retuner(ev, lambda: START, (1,), (0.5,), headroom=0.3)(2.0, frozenset())
+    assert rates == [pytest.approx(2.6)]
+
+
+def test_bad_inputs():
+    with pytest.raises(ValueError, match="tuned_rate"):
+        Autopilot(AdaptParams(), START, 0.0, Table())
+    ap, _ = _pilot()
+    with pytest.raises(ValueError, match="rate"):
+        ap.observe(0.0, float("nan"))
+
+
+def test_params_from_the_spec_field():
+    _, spec = load_manifest("examples/llava-v1.6-34b.yaml")
+    a = spec.tuning.adapt
+    assert isinstance(a, AdaptSpec) and a.enabled is False and a.allow_allocation_changes is False
+    p = AdaptParams.from_spec(a.model_copy(update={"hold_seconds": 5.0, "band": 0.5}))
+    assert p.hold_s == 5.0 and p.band == 0.5 and p.min_interval_s == a.min_interval_seconds
+
+
+def test_grid_retuner_prefers_goodput_then_ttft_and_keeps_pins():
+    # goodput saturates at B >= 4; s = 0.5 best; TTFT lowest at B = 4
+    def ev(k: Knobs, rate: float) -> tuple[float, float]:
+        g = rate * (1.0 - abs(k.offload_ratio - 0.5)) * (1.0 if k.batch_bound >= 4 else 0.9)
+        return g, 1.0 + abs(k.batch_bound - 4) * 0.1
+
+    cur = Knobs(8, 1.0)
+    rt = grid_retuner(ev, lambda: cur, (1, 4, 16), (0.0, 0.5, 1.0))
+    p = rt(2.0, frozenset())
+    assert p.knobs == Knobs(4, 0.5) and p.predicted_goodput == pytest.approx(2.0)
+    assert rt(2.0, frozenset({"offload_ratio"})).knobs == Knobs(4, 1.0)
