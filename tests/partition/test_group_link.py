@@ -35,3 +35,19 @@ def test_share_is_the_smallest_granted_and_demand_goes_to_every_gpu(tmp_path: Pa
     link.close()
     for w in writers:
         w.close()
+
+
+def test_an_encoder_never_runs_on_the_idle_split_of_a_lagging_or_dead_controller(tmp_path: Path) -> None:
+    """The idle split gives encode 0 SMs; a controller that has not answered the batch (or died
+    leaving that split) must not starve the encoder: it falls back to the whole GPU."""
+    from easerve_runtime.workers.partition_link import PartitionLink
+
+    rec = ControlRecordFile(control_path(0, tmp_path), writer=True)
+    rec.write(ControlRecord(0, 132, 132, PolicyCode.ENCODE_BATCH_SPLIT, level=0, primary_batch=0))
+    link = PartitionLink(0, "primary", tmp_path, settle_s=0.001)
+    assert link.share(8) == 1.0 and link.ungranted == 1  # no answer to batch 8: whole GPU, not 1/132
+    rec.write(ControlRecord(66, 66, 132, PolicyCode.ENCODE_BATCH_SPLIT, level=2, primary_batch=8))
+    assert link.share(8) == 0.5  # the controller answered this batch: its split holds
+    assert link.ungranted == 1
+    link.close()
+    rec.close()

@@ -8,13 +8,19 @@ the current split; after the call they mark themselves idle. Reads are seqlock c
 ``/dev/shm`` (microseconds), so this sits on the hot path.
 
 Until the controller has published a record (or when none runs, e.g. ``easerve serve`` without
-a GPU) the share is 1.0: the worker behaves as if it owned the GPU. The share read is the
-controller's latest decision, which may lag the demand just written by one controller tick.
+a GPU) the share is 1.0: the worker behaves as if it owned the GPU.
+
+The controller reacts to a demand within a tick (0.5 ms), so an encoder that announces a batch
+waits, briefly and bounded (``SETTLE_S``), for a record that answers its batch (the record echoes
+``primary_batch``). A tenant that is still granted no SMs after that (the controller lags, hangs
+or died and left its idle split, where encode gets 0 SMs) runs on the whole GPU rather than on
+one SM: contention is slower than isolation, but starving the encoder stops serving.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from easerve_runtime.partition.record import (
@@ -28,9 +34,12 @@ from easerve_runtime.partition.record import (
 
 log = logging.getLogger("easerve.partition")
 
+SETTLE_S = 0.003
+"""Longest an encoder waits for the controller to answer its batch (six controller ticks)."""
+
 
 class PartitionLink:
-    def __init__(self, gpu: int, role: str, shm_dir: Path = SHM_DIR) -> None:
+    def __init__(self, gpu: int, role: str, shm_dir: Path = SHM_DIR, settle_s: float = SETTLE_S) -> None:
         if role not in ("primary", "partner"):
             raise ValueError(f"role: must be 'primary' or 'partner', got {role!r}")
         self.role = role
@@ -38,6 +47,8 @@ class PartitionLink:
         self.control_path = control_path(gpu, shm_dir)
         self._control: ControlRecordFile | None = None
         self.last: ControlRecord | None = None
+        self.settle_s = settle_s
+        self.ungranted = 0  # calls that found no SMs granted and fell back to the whole GPU
 
     def _read(self) -> ControlRecord | None:
         if self._control is None:
@@ -58,11 +69,24 @@ class PartitionLink:
         """Announce a batch of ``batch`` and return this tenant's SM fraction in (0, 1]."""
         self.demand.write(max(0, batch), True)
         rec = self._read()
+        if self.role == "primary" and batch > 0 and rec is not None and rec.seq:
+            deadline = time.monotonic() + self.settle_s
+            while rec is not None and rec.primary_batch != batch and time.monotonic() < deadline:
+                time.sleep(0.0001)
+                rec = self._read()
         self.last = rec
         if rec is None or rec.total_sms <= 0 or rec.seq == 0:
             return 1.0
         sms = rec.primary_sms if self.role == "primary" else rec.partner_sms
-        return min(1.0, max(sms, 1) / rec.total_sms)
+        if sms <= 0:  # nothing granted to a tenant with work: never run it on a single SM
+            if self.ungranted == 0:
+                log.warning(
+                    "partition controller granted %s no SMs for a batch of %d (%s): using the whole GPU",
+                    self.role, batch, self.control_path,
+                )
+            self.ungranted += 1
+            return 1.0
+        return min(1.0, sms / rec.total_sms)
 
     def idle(self) -> None:
         self.demand.write(0, False)
