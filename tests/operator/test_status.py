@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from easerve_operator.reconcile import status as status_rules
 from easerve_operator.reconcile.drift import covers, drifted
-from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
+from easerve_operator.reconcile.status import StageObservation, status_differs
 from easerve_runtime.api import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -15,6 +16,11 @@ NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 def obs(ready: int, desired: int, rolled: bool = True) -> StageObservation:
     return StageObservation(desired=desired, ready=ready, updated=desired, total=desired, rolled_out=rolled)
+
+
+def compute_status(**kw: object) -> dict:
+    """The wire form: what the operator writes."""
+    return status_rules.compute_status(**kw).wire()  # type: ignore[arg-type]
 
 
 def conds(st: dict) -> dict[str, tuple[str, str]]:

@@ -16,6 +16,8 @@ from easerve_runtime.api import GROUP, PLURAL, VERSION
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
+from easerve_operator.reconcile.loop import ClientError
+
 FIELD_MANAGER = "easerve-operator"
 
 _METHODS = {  # kind -> (api class, method suffix)
@@ -26,7 +28,9 @@ _METHODS = {  # kind -> (api class, method suffix)
 
 
 class Kube:
-    """One API client for the operator's own writes (kopf keeps its own for watching)."""
+    """One API client for the operator's own writes (kopf keeps its own for watching).
+
+    Implements ``loop.Client``; refusals surface as ``loop.ClientError``."""
 
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.api = api_client or new_api_client()
@@ -42,19 +46,25 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply one child (creates it when missing); returns the live object."""
         meta = obj["metadata"]
-        resp = self._method(obj["kind"], "patch")(
-            meta["name"],
-            meta["namespace"],
-            obj,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type="application/apply-patch+yaml",
-            _preload_content=False,
-        )
+        try:
+            resp = self._method(obj["kind"], "patch")(
+                meta["name"],
+                meta["namespace"],
+                obj,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type="application/apply-patch+yaml",
+                _preload_content=False,
+            )
+        except ApiException as exc:
+            raise ClientError(int(exc.status or 0), str(exc.reason)) from exc
         return json.loads(resp.data)  # type: ignore[no-any-return]
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        self._method(kind, "delete")(name, namespace)
+        try:
+            self._method(kind, "delete")(name, namespace)
+        except ApiException as exc:
+            raise ClientError(int(exc.status or 0), str(exc.reason)) from exc
 
     def unschedulable_pods(self, namespace: str, selector: str) -> list[str]:
         """``"pod: message"`` for each unbound pod the scheduler marked Unschedulable."""

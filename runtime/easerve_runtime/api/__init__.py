@@ -28,8 +28,10 @@ from easerve_runtime.api.constants import (
     Stage,
 )
 from easerve_runtime.api.rules import (
+    LABEL_VALUE_MAX,
     SpecError,
     cross_field_errors,
+    name_errors,
     spec_errors,
 )
 from easerve_runtime.api.runtime_config import (
@@ -75,6 +77,8 @@ from easerve_runtime.api.status import (
     Reason,
     StagesStatus,
     StageStatus,
+    TuningState,
+    TuningStatus,
 )
 
 __all__ = [
@@ -102,6 +106,7 @@ __all__ = [
     "KIND",
     "LABEL_DEPLOYMENT",
     "LABEL_STAGE",
+    "LABEL_VALUE_MAX",
     "Modality",
     "Model",
     "ModelSpec",
@@ -129,10 +134,13 @@ __all__ = [
     "StagesStatus",
     "TIER_NAMES",
     "TuningSpec",
+    "TuningState",
+    "TuningStatus",
     "VERSION",
     "cross_field_errors",
     "dynamo_namespace",
     "load_manifest",
+    "name_errors",
     "parse_spec",
     "spec_errors",
 ]
