@@ -37,9 +37,9 @@ import os
 import shutil
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import kopf
 from easerve_runtime.api import (
@@ -198,8 +198,8 @@ class _Progress:
         self,
         write: Callable[[TuningStatus], None],
         running: TuningStatus,
-        body: kopf.Body,
-        stopped: kopf.DaemonStopped,
+        body: Mapping[str, Any],
+        stopped: Stopped,
     ) -> None:
         self.write, self.running, self.body, self.stopped = write, running, body, stopped
         self.last = 0.0
@@ -227,6 +227,18 @@ class _Progress:
         self.write(self.running)
 
 
+class StatusWriter(Protocol):
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+
+class Stopped(Protocol):
+    """kopf.DaemonStopped: true once the daemon must stop; ``wait`` sleeps unless it is stopped."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> Any: ...
+
+
 @kopf.daemon(GROUP, VERSION, PLURAL, id="tuning", when=_enabled, cancellation_timeout=10.0)
 def tuning_daemon(
     stopped: kopf.DaemonStopped,
@@ -237,10 +249,26 @@ def tuning_daemon(
     logger: logging.Logger,
     **_: Any,
 ) -> None:
-    kube = Kube()
+    run_daemon(Kube(), stopped, body, namespace, name, str(meta.get("uid")), logger)
+
+
+def run_daemon(
+    client: StatusWriter,
+    stopped: Stopped,
+    body: Mapping[str, Any],
+    namespace: str,
+    name: str,
+    uid: str,
+    logger: logging.Logger = log,
+) -> None:
+    """The daemon's loop: search when the spec asks for a search nobody finished, else wait.
+
+    ``body`` is kopf's live view of the object (updated by watch events, so it lags behind our
+    own status writes); ``client`` writes status.
+    """
 
     def write(st: TuningStatus) -> None:
-        kube.patch_status(namespace, name, tuning_patch(st))
+        client.patch_status(namespace, name, tuning_patch(st))
 
     # What this daemon finished itself; kopf's body lags behind our own writes (module docstring).
     finished: dict[str, Any] | None = None
@@ -258,7 +286,7 @@ def tuning_daemon(
         started = current.get("startedAt") if current.get("fingerprint") == fp else None
         started = started or _now()
         budget = spec.tuning.trial_budget
-        directory = records_dir(namespace, name, str(meta.get("uid")), spec)
+        directory = records_dir(namespace, name, uid, spec)
         running = TuningStatus(
             state=TuningState.RUNNING, fingerprint=fp, partition=part, started_at=started, trials=0, budget=budget
         )
