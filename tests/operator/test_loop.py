@@ -110,9 +110,13 @@ def test_apply_only_if_drifted(fake: FakeClient, rec: Reconciler) -> None:
     fake.edit("Deployment", dep, lambda d: d["spec"].__setitem__("replicas", 7))  # a hand edit
     fake.edit("ConfigMap", next(n for (k, _, n) in fake.objects if k == "ConfigMap"),
               lambda c: c["metadata"]["labels"].__setitem__("extra", "ok"))  # not ours: no drift
+    edited_rv = fake.objects[("Deployment", NS, dep)]["metadata"]["resourceVersion"]
+    assert not rec.seen(o.key, "Deployment", dep, edited_rv), "an edit is news: its event must be looked at"
     out = rec.reconcile(o, lambda: fake.children(o.name))
     assert fake.applies == [("Deployment", dep)] and out.applied == 1
     assert fake.objects[("Deployment", NS, dep)]["spec"]["replicas"] == 2
+    # the echo of our own apply (same resourceVersion) needs no work when its event arrives
+    assert rec.seen(o.key, "Deployment", dep, fake.objects[("Deployment", NS, dep)]["metadata"]["resourceVersion"])
 
 
 def test_prune_deletes_children_no_longer_rendered(fake: FakeClient, rec: Reconciler) -> None:

@@ -224,7 +224,7 @@ def reconcile(
 
 # ----------------------------------------------------------------------------------- children
 def _child_event(kind: str):  # type: ignore[no-untyped-def]
-    def handler(
+    async def handler(
         event: dict[str, Any],
         namespace: str,
         name: str,
@@ -234,13 +234,24 @@ def _child_event(kind: str):  # type: ignore[no-untyped-def]
         memo: kopf.Memo,
         **kwargs: Any,
     ) -> None:
-        owner = labels.get(OWNER_LABEL)
-        if not owner:
+        """Runs on the event loop: most child events (the echoes of our own applies during a burst)
+        are dismissed here in microseconds; only a repair or a status refresh goes to a thread."""
+        owner_name = labels.get(OWNER_LABEL)
+        if not owner_name:
             return
-        key = (namespace, owner)
-        live = None if event.get("type") == "DELETED" else dict(body)
-        memo.reconciler.refresh(
-            _owner_from_index(memo, owners, key), _children_reader(memo, kwargs, key), repair=(kind, name, live)
+        key = (namespace, owner_name)
+        rec: Reconciler = memo.reconciler
+        deleted = event.get("type") == "DELETED"
+        if not deleted and rec.seen(key, kind, name, (body.get("metadata") or {}).get("resourceVersion")):
+            return
+        owner = _owner_from_index(memo, owners, key)
+        if owner is None or owner.deleting:
+            return
+        live = None if deleted else dict(body)
+        if rec.applied_generation(key) != owner.generation and not rec.child_drifted(owner, kind, name, live):
+            return  # the owner handler is applying this generation and will write status itself
+        await asyncio.to_thread(
+            rec.refresh, owner, _children_reader(memo, kwargs, key), repair=(kind, name, live)
         )
 
     return handler

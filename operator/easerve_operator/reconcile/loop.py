@@ -191,6 +191,9 @@ class Reconciler:
         self._unschedulable: dict[Key, list[str]] = {}
         self._last_status: dict[Key, bytes] = {}  # packed: compared and read back rarely
         self._render_cache: dict[tuple[str, str, str, int | None], Desired] = {}
+        # per owner: the resourceVersion of each child that was checked for drift and is in the
+        # status already; an event for exactly that version (our own apply's echo) is a no-op
+        self._seen: dict[Key, dict[ChildKey, str]] = {}
 
     # ------------------------------------------------------------------------------ plumbing
     @property
@@ -227,6 +230,26 @@ class Reconciler:
             self._last_status.pop(key, None)
             self._owner_locks.pop(key, None)
             self._unschedulable.pop(key, None)
+            self._seen.pop(key, None)
+
+    def seen(self, key: Key, kind: str, name: str, resource_version: str | None) -> bool:
+        """Whether this exact version of a child was drift-checked and reported already, so an event
+        for it (the echo of our own apply, mostly) needs no work. Safe to call from the loop thread."""
+        return resource_version is not None and self._seen.get(key, {}).get((kind, name)) == str(resource_version)
+
+    def _mark_seen(self, key: Key, children: Children) -> None:
+        with self._lock:
+            seen = self._seen.setdefault(key, {})
+            for ck, body in children.items():
+                rv = (body.get("metadata") or {}).get("resourceVersion")
+                if rv is not None:
+                    seen[ck] = str(rv)
+
+    def child_drifted(self, owner: Owner, kind: str, name: str, body: dict[str, Any] | None) -> bool:
+        """Whether a child event asks for a repair (the child is ours, and missing or drifted)."""
+        want = self.desired(owner)
+        target = next((o for o in want.children if o["kind"] == kind and o["metadata"]["name"] == name), None)
+        return target is not None and drifted(body, target)
 
     def desired(self, owner: Owner) -> Desired:
         """Parse and render once per (owner, generation): child events arrive by the thousand."""
@@ -304,6 +327,7 @@ class Reconciler:
                 apply_error = f"{obj['kind']} {obj['metadata']['name']}: {exc.reason} ({exc.status})"
                 log.error("%s/%s: apply failed: %s", *owner.key, apply_error)
         pruned = self._prune(owner, want.children, live)
+        self._mark_seen(owner.key, live)  # each was drift-checked or is our apply's answer
         with self.owner_lock(owner.key):
             self._applied[owner.key] = owner.generation
             fresh = children()  # events may have moved on while we applied
@@ -357,7 +381,10 @@ class Reconciler:
             live = children()
             for k, v in repaired.items():
                 live[k] = newest(live.get(k), v) or v
-            return self._write_status(owner, self._status(owner, want, live))
+            wrote = self._write_status(owner, self._status(owner, want, live))
+            if repair is not None and repair[2] is not None and not repaired:
+                self._mark_seen(owner.key, {(repair[0], repair[1]): repair[2]})  # checked, and reported
+            return wrote
 
     def check_capacity(self, owner: Owner | None, children: Callable[[], Children]) -> bool:
         """Look for the owner's pods the scheduler cannot place; refresh status when that changed."""
