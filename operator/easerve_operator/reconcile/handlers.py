@@ -5,23 +5,27 @@ Shape of the loop:
 * The owner handler (create / update of ``spec`` / resume after a restart) validates the spec,
   renders the children (pure), and applies only those that are missing or drifted. It never
   writes ``spec``; it writes ``status``.
-* Child events (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
-  re-applied from the owner's spec. Deployment events refresh the owner's status, so conditions
-  move Progressing -> Ready as pods become ready, with no polling. Pods are not watched:
-  while an owner is not Ready, a timer asks for its unbound pods to report InsufficientCapacity.
-* kopf *indexes* keep an in-memory view of owners and children (as compressed JSON), so the hot
-  path reads memory, not the API server; a restart re-lists them before any handler runs, which
-  is why a resume writes nothing when nothing changed.
+* Child changes (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
+  re-applied from the owner's spec. Deployment changes refresh the owner's status, so conditions
+  move Progressing -> Ready as pods become ready, with no polling. Children are watched by the
+  operator's own ``informer.ChildInformer``, not by kopf (kopf's per-object machinery for the
+  7 children of every owner was most of the operator's memory and time; see informer.py). Pods
+  are not watched: while an owner is not Ready, a timer asks for its unbound pods to report
+  InsufficientCapacity.
+* A kopf *index* keeps owners (as compressed JSON) and the informer keeps children, so the hot
+  path reads memory, not the API server; after a restart the owner handler waits for the
+  children's first list, which is why a resume writes nothing when nothing changed.
 
 The ``Reconciler`` lives in kopf's memo (``memo.reconciler``; ``easerve operator`` injects one,
 and the startup handler makes one when kopf is run on this file directly). Handlers here only
 translate kopf's arguments.
 
-Thread safety: kopf runs these sync handlers on a thread pool while its event loop updates the
+Thread safety: kopf runs the sync handlers on a thread pool while its event loop updates the
 indexes. Iterating an index from a handler thread raced with those updates (``RuntimeError:
 dictionary changed size during iteration`` with several objects created within a second), so
 every index read goes through ``memo.read``, which runs it *on the event loop thread*, where
-the indexes are written: a read sees the index between two updates, never during one.
+the indexes are written: a read sees the index between two updates, never during one. The
+informer's cache has its own lock.
 
 kopf keeps its own bookkeeping in ``status.kopf`` rather than in annotations, so the objects a
 GitOps tool compares against Git carry no operator-written metadata.
@@ -34,7 +38,7 @@ import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import kopf
@@ -50,16 +54,13 @@ from easerve_runtime.api import (
 )
 from pydantic import ValidationError
 
-from easerve_operator.reconcile.kube import Kube
-from easerve_operator.reconcile.loop import Children, Owner, Reconciler, pack, unpack
+from easerve_operator.reconcile.informer import ChildInformer, kube_sources
+from easerve_operator.reconcile.kube import Kube, new_api_client
+from easerve_operator.reconcile.loop import Owner, Reconciler, pack, unpack
 
-MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
+MANAGED_KEY, MANAGED_VALUE = "app.kubernetes.io/managed-by", "easerve-operator"
+MANAGED = {MANAGED_KEY: MANAGED_VALUE}
 OWNER_LABEL = LABEL_DEPLOYMENT
-CHILD_KINDS = (
-    ("", "v1", "configmaps", "ConfigMap"),
-    ("", "v1", "services", "Service"),
-    ("apps", "v1", "deployments", "Deployment"),
-)
 CAPACITY_CHECK_S = 5.0
 LOOP_READ_TIMEOUT_S = 30.0
 T = TypeVar("T")
@@ -76,6 +77,7 @@ class Options:
     webhook_key: str | None = None
     webhook_managed: str = "easerve.io"
     worker_limit: int = 0  # 0: unlimited (fastest); see --worker-limit
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
 
 
 OPTIONS = Options()
@@ -117,67 +119,9 @@ def owners(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, **_: Any
     }
 
 
-def _child_index(kind: str):  # type: ignore[no-untyped-def]
-    def index(namespace: str, name: str, body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[Any, Any]:
-        owner = labels.get(OWNER_LABEL)
-        if not owner:
-            return {}
-        return {(namespace, owner): {"kind": kind, "name": name, "body": pack(_trim(body))}}
-
-    return index
-
-
-def _trim(body: kopf.Body) -> dict[str, Any]:
-    """What drift checks and status need of a child; managedFields alone can be half an object."""
-    meta = body.get("metadata") or {}
-    out: dict[str, Any] = {
-        "kind": body.get("kind"),
-        "metadata": {
-            k: meta[k]
-            for k in (
-                "name",
-                "namespace",
-                "uid",
-                "resourceVersion",
-                "generation",
-                "labels",
-                "annotations",
-                "ownerReferences",
-                "deletionTimestamp",
-            )
-            if k in meta
-        },
-    }
-    for section in ("spec", "data", "status"):
-        if section in body:
-            out[section] = body[section]
-    return out
-
-
-for _group, _version, _plural, _kind in CHILD_KINDS:
-    kopf.index(_group, _version, _plural, labels=MANAGED, id=f"children_{_plural}")(_child_index(_kind))
-
-
-def _child_entries(kwargs: dict[str, Any], key: tuple[str, str]) -> list[Any]:
-    """The index entries of one owner's children. Call on the loop thread (``memo.read``)."""
-    out: list[Any] = []
-    for _g, _v, plural, _k in CHILD_KINDS:
-        out.extend(kwargs[f"children_{plural}"].get(key, ()))
-    return out
-
-
-def _children_reader(memo: Any, kwargs: dict[str, Any], key: tuple[str, str]) -> Callable[[], Children]:
-    """A snapshot function of one owner's live children for the reconciler (read on the loop)."""
-    indexes = {f"children_{p}": kwargs[f"children_{p}"] for _g, _v, p, _k in CHILD_KINDS}
-
-    def snapshot() -> Children:
-        entries = memo.read(lambda: _child_entries(indexes, key))
-        return {(e["kind"], e["name"]): unpack(e["body"]) for e in entries}
-
-    return snapshot
-
-
 def _owner_from_index(memo: Any, owners: kopf.Index, key: tuple[str, str]) -> Owner | None:
+    """The owner as kopf's index has it (read on the loop thread: ``memo.read``)."""
+
     def one() -> Any:
         store = owners.get(key)
         return next(iter(store), None) if store is not None else None
@@ -217,48 +161,25 @@ def reconcile(
         spec=dict(body.get("spec") or {}),
         status={k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
     )
-    out = memo.reconciler.reconcile(owner, _children_reader(memo, kwargs, owner.key))
+    out = memo.reconciler.reconcile(owner, lambda: memo.informer.children(owner.key))
     if out.apply_error:
         raise kopf.TemporaryError(out.apply_error, delay=10)
 
 
 # ----------------------------------------------------------------------------------- children
-def _child_event(kind: str):  # type: ignore[no-untyped-def]
-    async def handler(
-        event: dict[str, Any],
-        namespace: str,
-        name: str,
-        body: kopf.Body,
-        labels: kopf.Labels,
-        owners: kopf.Index,
-        memo: kopf.Memo,
-        **kwargs: Any,
-    ) -> None:
-        """Runs on the event loop: most child events (the echoes of our own applies during a burst)
-        are dismissed here in microseconds; only a repair or a status refresh goes to a thread."""
-        owner_name = labels.get(OWNER_LABEL)
-        if not owner_name:
-            return
-        key = (namespace, owner_name)
+def _on_child_change(memo: Any, owners: kopf.Index) -> Any:
+    """What the informer calls (on its dispatcher threads) when a child changed or was deleted."""
+
+    def on_change(key: tuple[str, str], kind: str, name: str, body: dict[str, Any] | None) -> None:
         rec: Reconciler = memo.reconciler
-        deleted = event.get("type") == "DELETED"
-        if not deleted and rec.seen(key, kind, name, (body.get("metadata") or {}).get("resourceVersion")):
-            return
         owner = _owner_from_index(memo, owners, key)
         if owner is None or owner.deleting:
             return
-        live = None if deleted else dict(body)
-        if rec.applied_generation(key) != owner.generation and not rec.child_drifted(owner, kind, name, live):
+        if rec.applied_generation(key) != owner.generation and not rec.child_drifted(owner, kind, name, body):
             return  # the owner handler is applying this generation and will write status itself
-        await asyncio.to_thread(
-            rec.refresh, owner, _children_reader(memo, kwargs, key), repair=(kind, name, live)
-        )
+        rec.refresh(owner, lambda: memo.informer.children(key), repair=(kind, name, body))
 
-    return handler
-
-
-for _group, _version, _plural, _kind in CHILD_KINDS:
-    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"repair_{_plural}")(_child_event(_kind))
+    return on_change
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -291,7 +212,7 @@ def capacity_check(namespace: str, name: str, owners: kopf.Index, memo: kopf.Mem
     state for each watched pod: 1000 pods cost ~140 MB in our scale benchmark).
     """
     key = (namespace, name)
-    memo.reconciler.check_capacity(_owner_from_index(memo, owners, key), _children_reader(memo, kwargs, key))
+    memo.reconciler.check_capacity(_owner_from_index(memo, owners, key), lambda: memo.informer.children(key))
 
 
 # ----------------------------------------------------------------------------------- admission
@@ -318,13 +239,26 @@ def enable_webhook(host: str, port: int, cert: str | None, key: str | None) -> N
     kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-spec", operations=["CREATE", "UPDATE"])(validate)
 
 
+@kopf.on.cleanup()
+def stop_informer(memo: kopf.Memo, **_: Any) -> None:
+    if "informer" in memo:
+        memo.informer.stop()
+
+
 # ----------------------------------------------------------------------------------- settings
 @kopf.on.startup()
-async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: kopf.Index, **_: Any) -> None:
     """Runs on the event loop: builds the reconciler (unless injected) and the loop reader."""
     if "reconciler" not in memo:
         memo.reconciler = Reconciler(client_factory=Kube)
     memo.read = LoopReader(asyncio.get_running_loop())
+    if "informer" not in memo:
+        memo.informer = ChildInformer(
+            kube_sources(new_api_client(), f"{MANAGED_KEY}={MANAGED_VALUE}", OPTIONS.namespaces or None),
+            OWNER_LABEL,
+            on_change=_on_child_change(memo, owners),
+            is_known=memo.reconciler.seen,
+        ).start()
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
     settings.persistence.finalizer = FINALIZER
