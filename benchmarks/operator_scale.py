@@ -25,6 +25,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -33,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+LOG_DIR: Path | None = None
 sys.path.insert(0, str(REPO / "e2e"))
 
 BARE_OPERATOR = '''
@@ -183,13 +185,16 @@ def run_one(kind: str, count: int, timeout: float, with_kcm: bool) -> dict[str, 
                 op.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 op.kill()
+        if log.exists() and LOG_DIR is not None:  # the operator's log outlives the private cluster
+            LOG_DIR.mkdir(parents=True, exist_ok=True)
+            shutil.copy(log, LOG_DIR / f"{kind}-{int(time.time())}.log")
         cluster.stop()
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--count", type=int, default=200)
-    ap.add_argument("--timeout", type=float, default=300.0)
+    ap.add_argument("--timeout", type=float, default=900.0)
     ap.add_argument("--out", default=str(REPO / "benchmarks" / "out"))
     ap.add_argument("--operators", default="easerve,bare-kopf",
                     help="comma-separated: easerve, easerve-limited, bare-kopf, and attribution variants "
@@ -203,6 +208,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    global LOG_DIR
+    LOG_DIR = out / "logs"
     kinds = [args.only] if args.only else [k.strip() for k in args.operators.split(",") if k.strip()]
     rounds: list[list[dict[str, Any]]] = []
     for r in range(args.repeat):
