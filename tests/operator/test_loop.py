@@ -32,7 +32,7 @@ class FakeClient:
         self.deletes: list[tuple[str, str]] = []
         self.status_writes: list[dict[str, Any]] = []
         self.refuse: set[str] = set()  # kinds the "API server" refuses
-        self.pending: list[str] = []
+        self.pending: dict[tuple[str, str], list[str]] = {}
 
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         if obj["kind"] in self.refuse:
@@ -53,8 +53,8 @@ class FakeClient:
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         self.status_writes.append(copy.deepcopy(status))
 
-    def unschedulable_pods(self, namespace: str, selector: str) -> list[str]:
-        return list(self.pending)
+    def unschedulable_pods(self, namespaces: list[str] | None) -> dict[tuple[str, str], list[str]]:
+        return {k: list(v) for k, v in self.pending.items()}
 
     # what kopf's indexes would hold
     def children(self, owner: str) -> Children:
@@ -207,16 +207,25 @@ def test_refused_child_is_reported_and_retried(fake: FakeClient, rec: Reconciler
     assert out.apply_error is None and out.applied == 3  # only the three Services were missing
 
 
-def test_capacity_check_reports_unschedulable_pods(fake: FakeClient, rec: Reconciler) -> None:
-    o = owner()
-    rec.reconcile(o, lambda: fake.children(o.name))
-    fake.pending = ["p-1: 0/1 nodes are available: Insufficient nvidia.com/gpu"]
-    assert rec.check_capacity(o, lambda: fake.children(o.name))
+def test_one_capacity_sweep_reports_unschedulable_pods_per_owner(fake: FakeClient, rec: Reconciler) -> None:
+    a, b = owner(), owner(name="other")
+    for o in (a, b):
+        rec.reconcile(o, lambda o=o: fake.children(o.name))
+    by_key = {a.key: a, b.key: b}
+
+    def sweep() -> list[tuple[str, str]]:
+        return rec.capacity_sweep(None, owner=by_key.get, children=lambda k: lambda: fake.children(k[1]))
+
+    writes = len(fake.status_writes)
+    fake.pending = {a.key: ["p-1: 0/1 nodes are available: Insufficient nvidia.com/gpu"]}
+    assert sweep() == [a.key], "only the owner whose pods changed is refreshed"
     st = fake.status_writes[-1]
-    assert st["phase"] == "Degraded"
+    assert len(fake.status_writes) == writes + 1 and st["phase"] == "Degraded"
     degraded = next(c for c in st["conditions"] if c["type"] == "Degraded")
     assert degraded["reason"] == "InsufficientCapacity" and "Insufficient nvidia.com/gpu" in degraded["message"]
-    assert not rec.check_capacity(o, lambda: fake.children(o.name)), "same pods: nothing new to write"
+    assert sweep() == [] and len(fake.status_writes) == writes + 1, "same pods: nothing new to write"
+    fake.pending = {}
+    assert sweep() == [a.key] and fake.status_writes[-1]["phase"] == "Progressing"
 
 
 def test_forget_drops_per_owner_memory(fake: FakeClient, rec: Reconciler) -> None:

@@ -10,8 +10,8 @@ Shape of the loop:
   move Progressing -> Ready as pods become ready, with no polling. Children are watched by the
   operator's own ``informer.ChildInformer``, not by kopf (kopf's per-object machinery for the
   7 children of every owner was most of the operator's memory and time; see informer.py). Pods
-  are not watched: while an owner is not Ready, a timer asks for its unbound pods to report
-  InsufficientCapacity.
+  are not watched: every few seconds one list of unbound pods (for all owners) finds those the
+  scheduler cannot place, to report InsufficientCapacity.
 * A kopf *index* keeps owners (as compressed JSON) and the informer keeps children, so the hot
   path reads memory, not the API server; after a restart the owner handler waits for the
   children's first list, which is why a resume writes nothing when nothing changed.
@@ -189,30 +189,32 @@ def forget_deleted(event: dict[str, Any], namespace: str, name: str, memo: kopf.
         memo.reconciler.forget((namespace, name))
 
 
-def _not_ready(status: kopf.Status, **_: Any) -> bool:
-    return (status or {}).get("phase") not in ("Ready", "Failed", None)
+class CapacitySweeper:
+    """Every few seconds, one list of unbound pods for all owners (``Reconciler.capacity_sweep``)."""
 
+    def __init__(self, memo: Any, owners: kopf.Index, namespaces: list[str] | None) -> None:
+        self.memo, self.owners, self.namespaces = memo, owners, namespaces
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="capacity", daemon=True)
 
-@kopf.timer(
-    GROUP,
-    VERSION,
-    PLURAL,
-    id="capacity",
-    interval=CAPACITY_CHECK_S,
-    initial_delay=CAPACITY_CHECK_S,
-    idle=None,
-    when=_not_ready,
-)
-def capacity_check(namespace: str, name: str, owners: kopf.Index, memo: kopf.Memo, **kwargs: Any) -> None:
-    """While an owner is not Ready, look for its pods the scheduler cannot place.
+    def start(self) -> CapacitySweeper:
+        self.thread.start()
+        return self
 
-    Unschedulable pods change no Deployment status, so nothing else would tell us. Asking the API
-    server for the owner's *unbound* pods (a field selector) every few seconds, only while it is
-    not Ready, is far cheaper than watching every pod of every deployment (kopf keeps per-object
-    state for each watched pod: 1000 pods cost ~140 MB in our scale benchmark).
-    """
-    key = (namespace, name)
-    memo.reconciler.check_capacity(_owner_from_index(memo, owners, key), lambda: memo.informer.children(key))
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        rec: Reconciler = self.memo.reconciler
+        while not self.stopped.wait(CAPACITY_CHECK_S):
+            try:
+                rec.capacity_sweep(
+                    self.namespaces,
+                    owner=lambda key: _owner_from_index(self.memo, self.owners, key),
+                    children=lambda key: lambda: self.memo.informer.children(key),
+                )
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                logging.getLogger(__name__).exception("capacity sweep failed")
 
 
 # ----------------------------------------------------------------------------------- admission
@@ -241,8 +243,9 @@ def enable_webhook(host: str, port: int, cert: str | None, key: str | None) -> N
 
 @kopf.on.cleanup()
 def stop_informer(memo: kopf.Memo, **_: Any) -> None:
-    if "informer" in memo:
-        memo.informer.stop()
+    for part in ("informer", "sweeper"):
+        if part in memo:
+            memo[part].stop()
 
 
 # ----------------------------------------------------------------------------------- settings
@@ -259,6 +262,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: ko
             on_change=_on_child_change(memo, owners),
             is_known=memo.reconciler.seen,
         ).start()
+    if "sweeper" not in memo:
+        memo.sweeper = CapacitySweeper(memo, owners, OPTIONS.namespaces or None).start()
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
     settings.persistence.finalizer = FINALIZER

@@ -37,7 +37,6 @@ from typing import Any, Protocol
 
 from easerve_runtime.api import (
     ANNOTATION_CONFIG_HASH,
-    LABEL_DEPLOYMENT,
     LABEL_STAGE,
     EPDDeploymentSpec,
     name_errors,
@@ -76,7 +75,9 @@ class Client(Protocol):
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
 
-    def unschedulable_pods(self, namespace: str, selector: str) -> list[str]: ...
+    def unschedulable_pods(self, namespaces: list[str] | None) -> dict[Key, list[str]]:
+        """Per owner, its unbound pods the scheduler marked Unschedulable ("pod: message")."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -386,13 +387,27 @@ class Reconciler:
                 self._mark_seen(owner.key, {(repair[0], repair[1]): repair[2]})  # checked, and reported
             return wrote
 
-    def check_capacity(self, owner: Owner | None, children: Callable[[], Children]) -> bool:
-        """Look for the owner's pods the scheduler cannot place; refresh status when that changed."""
-        if owner is None:
-            return False
-        found = self.client.unschedulable_pods(owner.namespace, f"{LABEL_DEPLOYMENT}={owner.name}")
+    def capacity_sweep(
+        self,
+        namespaces: list[str] | None,
+        owner: Callable[[Key], Owner | None],
+        children: Callable[[Key], Callable[[], Children]],
+    ) -> list[Key]:
+        """Look for pods the scheduler cannot place, for every owner at once; refresh the status of
+        the owners whose set changed. Returns those owners.
+
+        Unschedulable pods change no Deployment status, so nothing else would tell us. One list of
+        *unbound* pods (a field selector) per sweep is far cheaper than a timer per owner (200
+        owners: 40 list calls a second) or a watch on every pod (kopf per-object state for each).
+        """
+        found = self.client.unschedulable_pods(namespaces)
         with self._lock:
-            if found == self._unschedulable.get(owner.key, []):
-                return False
-            self._unschedulable[owner.key] = found
-        return self.refresh(owner, children)
+            changed = [k for k in set(found) | set(self._unschedulable) if found.get(k, []) != self._unschedulable.get(k, [])]
+            for k in changed:
+                if found.get(k):
+                    self._unschedulable[k] = found[k]
+                else:
+                    self._unschedulable.pop(k, None)
+        for k in changed:
+            self.refresh(owner(k), children(k))
+        return changed
