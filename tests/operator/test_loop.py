@@ -283,3 +283,18 @@ def test_index_reads_on_the_loop_thread_never_see_a_half_updated_index() -> None
     t.join(10)
     loop.close()
     assert errors == []
+
+
+def test_status_in_kopfs_own_patch_defers_other_writers_until_it_landed(fake: FakeClient, rec: Reconciler) -> None:
+    """The owner handler hands its status to kopf's patch (one write, no half-handled event);
+    a child event meanwhile must not race it, and writes once the patch is seen."""
+    o = owner()
+    handed: list[dict[str, Any]] = []
+    out = rec.reconcile(o, lambda: fake.children(o.name), status_via=handed.append)
+    assert out.status_written and len(handed) == 1 and fake.status_writes == []
+    dep = next(n for (k, _, n) in fake.objects if k == "Deployment")
+    fake.edit("Deployment", dep, lambda d: d.__setitem__("status", {"readyReplicas": 1}))
+    assert not rec.refresh(o, lambda: fake.children(o.name)) and fake.status_writes == []
+    assert not rec.landed(o.key, None), "an event from before the patch changes nothing"
+    assert rec.landed(o.key, 1), "the patch landed, and a child event has news"
+    assert rec.refresh(o, lambda: fake.children(o.name)) and len(fake.status_writes) == 1

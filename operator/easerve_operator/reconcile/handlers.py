@@ -150,9 +150,10 @@ def reconcile(
     body: kopf.Body,
     meta: kopf.Meta,
     memo: kopf.Memo,
+    patch: kopf.Patch,
     **kwargs: Any,
 ) -> None:
-    """Make the children match the spec; report what was done in status."""
+    """Make the children match the spec; report what was done in status (in kopf's own patch)."""
     owner = Owner(
         namespace=namespace,
         name=name,
@@ -161,7 +162,9 @@ def reconcile(
         spec=dict(body.get("spec") or {}),
         status={k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
     )
-    out = memo.reconciler.reconcile(owner, lambda: memo.informer.children(owner.key))
+    out = memo.reconciler.reconcile(
+        owner, lambda: memo.informer.children(owner.key), status_via=lambda st: patch.status.update(st)
+    )
     if out.apply_error:
         raise kopf.TemporaryError(out.apply_error, delay=10)
 
@@ -183,10 +186,19 @@ def _on_child_change(memo: Any, owners: kopf.Index) -> Any:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def forget_deleted(event: dict[str, Any], namespace: str, name: str, memo: kopf.Memo, **_: Any) -> None:
-    """Drop per-owner memory once an EPDDeployment is gone, so long-running operators stay small."""
+async def owner_event(
+    event: dict[str, Any], namespace: str, name: str, status: kopf.Status, owners: kopf.Index, memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Drop per-owner memory once an EPDDeployment is gone (long-running operators stay small);
+    once the status handed to kopf's patch is seen, write what child events found meanwhile."""
+    key = (namespace, name)
+    rec: Reconciler = memo.reconciler
     if event.get("type") == "DELETED":
-        memo.reconciler.forget((namespace, name))
+        rec.forget(key)
+    elif rec.landed(key, (status or {}).get("observedGeneration")):
+        owner = _owner_from_index(memo, owners, key)
+        await asyncio.to_thread(rec.refresh, owner, lambda: memo.informer.children(key))
 
 
 class CapacitySweeper:

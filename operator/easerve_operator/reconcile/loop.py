@@ -195,6 +195,10 @@ class Reconciler:
         # per owner: the resourceVersion of each child that was checked for drift and is in the
         # status already; an event for exactly that version (our own apply's echo) is a no-op
         self._seen: dict[Key, dict[ChildKey, str]] = {}
+        # owners whose status the owner handler handed to kopf's own patch (not yet seen landed),
+        # and whether a child event wanted to write meanwhile (it writes once the patch landed)
+        self._deferred: dict[Key, int | None] = {}
+        self._dirty: set[Key] = set()
 
     # ------------------------------------------------------------------------------ plumbing
     @property
@@ -232,6 +236,20 @@ class Reconciler:
             self._owner_locks.pop(key, None)
             self._unschedulable.pop(key, None)
             self._seen.pop(key, None)
+            self._deferred.pop(key, None)
+            self._dirty.discard(key)
+
+    def landed(self, key: Key, observed_generation: int | None) -> bool:
+        """An owner event: if it shows the status handed to kopf's patch, stop deferring. Returns
+        whether a child event wanted to write meanwhile (then refresh now)."""
+        with self._lock:
+            if key not in self._deferred or self._deferred[key] != observed_generation:
+                return False
+            del self._deferred[key]
+            if key in self._dirty:
+                self._dirty.discard(key)
+                return True
+            return False
 
     def seen(self, key: Key, kind: str, name: str, resource_version: str | None) -> bool:
         """Whether this exact version of a child was drift-checked and reported already, so an event
@@ -273,11 +291,27 @@ class Reconciler:
             self._render_cache[key] = hit
         return hit
 
-    def _write_status(self, owner: Owner, status: dict[str, Any]) -> bool:
-        """Write status unless it says nothing new. Call with the owner's lock held."""
+    def _write_status(
+        self, owner: Owner, status: dict[str, Any], via: Callable[[dict[str, Any]], None] | None = None
+    ) -> bool:
+        """Write status unless it says nothing new. Call with the owner's lock held.
+
+        ``via``: hand the status to the caller's own patch instead (kopf's, which it sends after
+        the handler anyway): one write instead of two, and no event of a half-handled object
+        (which made kopf run the create handler a second time). Until that patch is seen landed
+        (``landed``), other writers only note that they have something newer."""
+        with self._lock:
+            if owner.key in self._deferred and via is None:
+                self._dirty.add(owner.key)
+                return False
         if not status_differs(self.last_status(owner.key) or owner.status, status):
             return False
-        self.client.patch_status(owner.namespace, owner.name, status)
+        if via is not None:
+            via(status)
+            with self._lock:
+                self._deferred[owner.key] = owner.generation
+        else:
+            self.client.patch_status(owner.namespace, owner.name, status)
         self._last_status[owner.key] = pack(status)
         metrics.STATUS_WRITES.inc()
         return True
@@ -303,15 +337,21 @@ class Reconciler:
         ).wire()
 
     # ------------------------------------------------------------------------------ owner
-    def reconcile(self, owner: Owner, children: Callable[[], Children]) -> Outcome:
-        """Make the children match the spec (apply-if-drifted, prune); report in status."""
+    def reconcile(
+        self,
+        owner: Owner,
+        children: Callable[[], Children],
+        status_via: Callable[[dict[str, Any]], None] | None = None,
+    ) -> Outcome:
+        """Make the children match the spec (apply-if-drifted, prune); report in status (through
+        ``status_via`` when given: see ``_write_status``)."""
         want = self.desired(owner)
         if want.spec is None:
             metrics.RECONCILES.labels(result="invalid").inc()
             log.warning("%s/%s: invalid, nothing created: %s", *owner.key, "; ".join(want.errors))
             with self.owner_lock(owner.key):
                 self._applied[owner.key] = owner.generation
-                wrote = self._write_status(owner, self._status(owner, want, {}))
+                wrote = self._write_status(owner, self._status(owner, want, {}), status_via)
             return Outcome(status_written=wrote, invalid=True)
         live = children()
         apply_error = None
@@ -336,7 +376,7 @@ class Reconciler:
                 n = newest(live.get(k), fresh.get(k))
                 if n is not None:
                     live[k] = n
-            wrote = self._write_status(owner, self._status(owner, want, live, apply_error))
+            wrote = self._write_status(owner, self._status(owner, want, live, apply_error), status_via)
         metrics.RECONCILES.labels(result="error" if apply_error else "ok").inc()
         return Outcome(applied, pruned, wrote, apply_error)
 
