@@ -11,12 +11,18 @@ from typing import Any
 
 import pytest
 import yaml
-from easerve_operator.reconcile.status import StageObservation, compute_status
+from easerve_operator.reconcile import status as status_rules
+from easerve_operator.reconcile.status import StageObservation
 from easerve_runtime.api import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
 LUA = REPO / "charts" / "easerve" / "argocd" / "health.lua"
 NOW = "2026-01-01T00:00:00Z"
+
+
+def compute_status(**kw: Any) -> dict[str, Any]:
+    """The status as the operator writes it (the typed model's wire form)."""
+    return status_rules.compute_status(**kw).wire()
 
 
 def health(obj: dict[str, Any]) -> tuple[str, str]:

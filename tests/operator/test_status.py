@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from easerve_operator.reconcile import status as status_rules
 from easerve_operator.reconcile.drift import covers, drifted
-from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
+from easerve_operator.reconcile.status import StageObservation, status_differs
 from easerve_runtime.api import load_manifest
 
 REPO = Path(__file__).resolve().parents[2]
@@ -15,6 +16,11 @@ NOW, LATER = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 
 def obs(ready: int, desired: int, rolled: bool = True) -> StageObservation:
     return StageObservation(desired=desired, ready=ready, updated=desired, total=desired, rolled_out=rolled)
+
+
+def compute_status(**kw: object) -> dict:  # noqa: D103
+    """The wire form: what the operator writes."""
+    return status_rules.compute_status(**kw).wire()  # type: ignore[arg-type]
 
 
 def conds(st: dict) -> dict[str, tuple[str, str]]:
@@ -100,3 +106,50 @@ def test_drifted_checks_metadata_we_own() -> None:
     assert drifted(None, desired)
     assert drifted({**live, "data": {"k": "edited"}}, desired)
     assert drifted({**live, "metadata": {**live["metadata"], "annotations": {}}}, desired)
+
+
+def test_docs_print_the_one_conditions_table() -> None:
+    from easerve_runtime.api.status import conditions_table_markdown
+
+    assert conditions_table_markdown() in (REPO / "docs" / "api.md").read_text()
+
+
+def _undeclared(value: object, schema: dict, path: str) -> list[str]:
+    """Paths in ``value`` that the structural schema would prune."""
+    if isinstance(value, dict):
+        if schema.get("x-kubernetes-preserve-unknown-fields"):
+            return []
+        props, addl = schema.get("properties"), schema.get("additionalProperties")
+        out = []
+        for k, v in value.items():
+            sub = (props or {}).get(k) if props else addl
+            if sub is None:
+                out.append(f"{path}.{k}")
+            else:
+                out += _undeclared(v, sub, f"{path}.{k}")
+        return out
+    if isinstance(value, list):
+        return [p for i, v in enumerate(value) for p in _undeclared(v, schema.get("items", {}), f"{path}[{i}]")]
+    return []
+
+
+def test_every_written_status_field_is_in_the_crd_schema() -> None:
+    """What the operator writes (disaggregated, omni, invalid, tuning) is never pruned."""
+    from easerve_operator.api.crd import build_crd
+    from easerve_operator.reconcile.tuning import tuning_patch
+    from easerve_runtime.api import TuningState, TuningStatus
+
+    schema = build_crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]
+    _, omni = load_manifest(REPO / "examples" / "qwen2.5-omni.yaml")
+    written = [
+        compute_status(generation=1, spec=SPEC, errors=[], stages={"encode": obs(1, 2), "prefill": obs(1, 1),
+                                                                   "decode": obs(2, 2)}, config_hash="abc", now=NOW),
+        compute_status(generation=1, spec=omni, errors=[], stages={"omni": obs(1, 1)}, now=NOW),
+        compute_status(generation=2, spec=None, errors=["metadata.name: too long"], stages={}, now=NOW),
+        tuning_patch(TuningStatus(state=TuningState.RUNNING, fingerprint="f", trials=0, budget=4)),
+    ]
+    assert written[1]["stages"] == {"omni": {"desired": 1, "ready": 1}}
+    assert written[0]["configHash"] == "abc"
+    for st in written:
+        assert _undeclared(st, schema, "status") == []
+    assert _undeclared({"stages": {"bogus": {}}}, schema, "status") == ["status.stages.bogus"]

@@ -326,8 +326,8 @@ def test_docs_example_is_the_tested_file() -> None:
 
 
 def test_admission_and_reconcile_refuse_a_wrong_encoder() -> None:
-    """The webhook and the reconciler share ``_parse``: a shipped profile's encoder is checked there."""
-    from easerve_operator.reconcile.handlers import _parse
+    """The webhook and the reconciler share ``check_spec``: a shipped profile's encoder is checked there."""
+    from easerve_operator.reconcile.loop import check_spec as _parse
 
     _, spec = load_manifest(REPO / "examples" / "ultravox-v0.6-27b.yaml")
     good = spec.wire()

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import yaml
-from easerve_runtime.api import GROUP, KIND, PLURAL, VERSION, EPDDeploymentSpec
+from easerve_runtime.api import GROUP, KIND, LABEL_VALUE_MAX, PLURAL, VERSION, EPDDeploymentSpec
 from easerve_runtime.api.status import EPDDeploymentStatus
 
 SHORT_NAMES = ["epd"]
@@ -50,6 +50,8 @@ def _openapi(node: dict[str, Any]) -> dict[str, Any]:
             inner["nullable"] = True
         if desc and "description" not in inner:
             inner["description"] = desc
+        if "pattern" in node and "pattern" not in inner:  # json_schema_extra on an optional field
+            inner["pattern"] = node["pattern"]
         return inner
     out: dict[str, Any] = {}
     if desc:
@@ -99,7 +101,14 @@ def build_crd() -> dict[str, Any]:
     spec_schema["description"] = "Desired state of a multimodal encode/prefill/decode deployment."
     status_schema = _schema_of(EPDDeploymentStatus)
     status_schema["description"] = "Observed state, written by the operator only."
-    status_schema["x-kubernetes-preserve-unknown-fields"] = True  # kopf keeps its own bookkeeping here
+    # kopf keeps its own bookkeeping under status.kopf; everything else the operator writes is
+    # declared by the models, so the API server prunes nothing it writes (and any field it did
+    # not declare would be pruned, which a test on a real API server would show).
+    status_schema["properties"]["kopf"] = {
+        "type": "object",
+        "description": "kopf's own bookkeeping (handler progress, last handled spec).",
+        "x-kubernetes-preserve-unknown-fields": True,
+    }
     columns = [
         {"name": "Phase", "type": "string", "jsonPath": ".status.phase"},
         {
@@ -143,7 +152,14 @@ def build_crd() -> dict[str, Any]:
                             "properties": {
                                 "apiVersion": {"type": "string"},
                                 "kind": {"type": "string"},
-                                "metadata": {"type": "object"},
+                                "metadata": {
+                                    "type": "object",
+                                    "properties": {
+                                        # children carry metadata.name as a label value (63 chars)
+                                        "name": {"type": "string", "maxLength": LABEL_VALUE_MAX},
+                                        "generateName": {"type": "string", "maxLength": LABEL_VALUE_MAX - 5},
+                                    },
+                                },
                                 "spec": spec_schema,
                                 "status": status_schema,
                             },

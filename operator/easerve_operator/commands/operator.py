@@ -100,6 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from easerve_operator.reconcile import handlers, tuning  # noqa: F401 - registers the HAS daemon
 
     handlers.OPTIONS.worker_limit = max(0, args.worker_limit)
+    handlers.OPTIONS.namespaces = list(args.namespace)  # the children's informer watches the same scope
 
     if args.webhook_port:
         cert, key = args.webhook_cert, args.webhook_key

@@ -1,17 +1,31 @@
-"""kopf handlers: the reconcile loop of the EPDDeployment operator.
+"""kopf handlers: the thin shell around ``loop.Reconciler`` (the reconcile loop as an object).
 
 Shape of the loop:
 
 * The owner handler (create / update of ``spec`` / resume after a restart) validates the spec,
   renders the children (pure), and applies only those that are missing or drifted. It never
   writes ``spec``; it writes ``status``.
-* Child events (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
-  re-applied from the owner's spec. Deployment events refresh the owner's status, so conditions
-  move Progressing -> Ready as pods become ready, with no polling. Pods are not watched:
-  while an owner is not Ready, a timer asks for its unbound pods to report InsufficientCapacity.
-* kopf *indexes* keep an in-memory view of owners and children (as compressed JSON), so the hot
-  path reads memory, not the API server; a restart re-lists them before any handler runs, which
-  is why a resume writes nothing when nothing changed.
+* Child changes (Deployment, Service, ConfigMap) repair drift: a deleted or hand-edited child is
+  re-applied from the owner's spec. Deployment changes refresh the owner's status, so conditions
+  move Progressing -> Ready as pods become ready, with no polling. Children are watched by the
+  operator's own ``informer.ChildInformer``, not by kopf (kopf's per-object machinery for the
+  7 children of every owner was most of the operator's memory and time; see informer.py). Pods
+  are not watched: every few seconds one list of unbound pods (for all owners) finds those the
+  scheduler cannot place, to report InsufficientCapacity.
+* A kopf *index* keeps owners (as compressed JSON) and the informer keeps children, so the hot
+  path reads memory, not the API server; after a restart the owner handler waits for the
+  children's first list, which is why a resume writes nothing when nothing changed.
+
+The ``Reconciler`` lives in kopf's memo (``memo.reconciler``; ``easerve operator`` injects one,
+and the startup handler makes one when kopf is run on this file directly). Handlers here only
+translate kopf's arguments.
+
+Thread safety: kopf runs the sync handlers on a thread pool while its event loop updates the
+indexes. Iterating an index from a handler thread raced with those updates (``RuntimeError:
+dictionary changed size during iteration`` with several objects created within a second), so
+every index read goes through ``memo.read``, which runs it *on the event loop thread*, where
+the indexes are written: a read sees the index between two updates, never during one. The
+informer's cache has its own lock.
 
 kopf keeps its own bookkeeping in ``status.kopf`` rather than in annotations, so the objects a
 GitOps tool compares against Git carry no operator-written metadata.
@@ -19,47 +33,34 @@ GitOps tool compares against Git carry no operator-written metadata.
 
 from __future__ import annotations
 
-import collections
-import datetime
-import json
+import asyncio
+import concurrent.futures
 import logging
 import threading
-import zlib
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import kopf
 from easerve_runtime.api import (
     FINALIZER,
     GROUP,
     LABEL_DEPLOYMENT,
-    LABEL_STAGE,
     PLURAL,
     VERSION,
-    EPDDeploymentSpec,
-    SpecError,
-    parse_spec,
-    spec_errors,
+    name_errors,
 )
-from easerve_runtime.profiles import profile_errors
-from easerve_runtime.topology import plan
-from kubernetes.client.exceptions import ApiException
-from pydantic import ValidationError
 
-from easerve_operator.reconcile import metrics
-from easerve_operator.reconcile.drift import drifted
-from easerve_operator.reconcile.kube import Kube
-from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
-from easerve_operator.render import render_children
+from easerve_operator.reconcile.informer import ChildInformer, kube_sources
+from easerve_operator.reconcile.kube import Kube, new_api_client
+from easerve_operator.reconcile.loop import Owner, Reconciler, check_spec, pack, unpack
 
-MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
+MANAGED_KEY, MANAGED_VALUE = "app.kubernetes.io/managed-by", "easerve-operator"
+MANAGED = {MANAGED_KEY: MANAGED_VALUE}
 OWNER_LABEL = LABEL_DEPLOYMENT
-STAGE_LABEL = LABEL_STAGE
-CHILD_KINDS = (
-    ("", "v1", "configmaps", "ConfigMap"),
-    ("", "v1", "services", "Service"),
-    ("apps", "v1", "deployments", "Deployment"),
-)
+CAPACITY_CHECK_S = 5.0
+LOOP_READ_TIMEOUT_S = 30.0
+T = TypeVar("T")
 
 
 @dataclass
@@ -73,31 +74,32 @@ class Options:
     webhook_key: str | None = None
     webhook_managed: str = "easerve.io"
     worker_limit: int = 0  # 0: unlimited (fastest); see --worker-limit
+    namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
 
 
 OPTIONS = Options()
-_kube: Kube | None = None
-_kube_lock = threading.Lock()
-# Status is written from two paths (the owner handler and child events). Per owner, writes are
-# serialised and always computed from the newest observation, so the last write wins *and* is
-# the freshest; a generation's status is only written once its children were applied.
-_owner_locks: dict[tuple[str, str], threading.Lock] = collections.defaultdict(threading.Lock)
-_applied: dict[tuple[str, str], int | None] = {}
-_unschedulable: dict[tuple[str, str], list[str]] = {}  # owner -> "pod: scheduler message"
-CAPACITY_CHECK_S = 5.0
-_last_status: dict[tuple[str, str], bytes] = {}  # packed: compared and read back rarely
 
 
-def kube() -> Kube:
-    global _kube
-    with _kube_lock:
-        if _kube is None:
-            _kube = Kube()
-        return _kube
+class LoopReader:
+    """Runs a short function on the event loop thread (where kopf writes its indexes)."""
 
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.thread = threading.get_ident()  # built on the loop thread, by the startup handler
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    def __call__(self, fn: Callable[[], T]) -> T:
+        if threading.get_ident() == self.thread:
+            return fn()
+        fut: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                fut.set_result(fn())
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                fut.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(run)
+        return fut.result(timeout=LOOP_READ_TIMEOUT_S)
 
 
 # ----------------------------------------------------------------------------------- indexes
@@ -108,159 +110,31 @@ def owners(namespace: str, name: str, body: kopf.Body, meta: kopf.Meta, **_: Any
             "uid": meta.get("uid"),
             "generation": meta.get("generation"),
             "deleting": bool(meta.get("deletionTimestamp")),
-            "spec": _pack(dict(body.get("spec") or {})),
-            "status": _pack({k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}),
+            "spec": pack(dict(body.get("spec") or {})),
+            "status": pack({k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}),
         }
     }
 
 
-def _child_index(kind: str):  # type: ignore[no-untyped-def]
-    def index(namespace: str, name: str, body: kopf.Body, labels: kopf.Labels, **_: Any) -> dict[Any, Any]:
-        owner = labels.get(OWNER_LABEL)
-        if not owner:
-            return {}
-        return {(namespace, owner): {"kind": kind, "name": name, "body": _pack(_trim(body))}}
+def _owner_from_index(memo: Any, owners: kopf.Index, key: tuple[str, str]) -> Owner | None:
+    """The owner as kopf's index has it (read on the loop thread: ``memo.read``)."""
 
-    return index
+    def one() -> Any:
+        store = owners.get(key)
+        return next(iter(store), None) if store is not None else None
 
-
-def _pack(body: dict[str, Any]) -> bytes:
-    """Children are kept as compressed JSON: a tenth of the memory of live dicts, and decoded
-    (tens of microseconds) only when their owner is looked at."""
-    return zlib.compress(json.dumps(body, separators=(",", ":")).encode(), 1)
-
-
-def _unpack(blob: bytes) -> dict[str, Any]:
-    return json.loads(zlib.decompress(blob))  # type: ignore[no-any-return]
-
-
-def _last(key: tuple[str, str]) -> dict[str, Any] | None:
-    blob = _last_status.get(key)
-    return None if blob is None else _unpack(blob)
-
-
-def _trim(body: kopf.Body) -> dict[str, Any]:
-    """What drift checks and status need of a child; managedFields alone can be half an object."""
-    meta = body.get("metadata") or {}
-    out: dict[str, Any] = {
-        "kind": body.get("kind"),
-        "metadata": {
-            k: meta[k]
-            for k in (
-                "name",
-                "namespace",
-                "uid",
-                "resourceVersion",
-                "generation",
-                "labels",
-                "annotations",
-                "ownerReferences",
-                "deletionTimestamp",
-            )
-            if k in meta
-        },
-    }
-    for section in ("spec", "data", "status"):
-        if section in body:
-            out[section] = body[section]
-    return out
-
-
-for _group, _version, _plural, _kind in CHILD_KINDS:
-    kopf.index(_group, _version, _plural, labels=MANAGED, id=f"children_{_plural}")(_child_index(_kind))
-
-
-def _one(index: kopf.Index, key: Any) -> Any:
-    store = index.get(key)
-    return next(iter(store), None) if store is not None else None
-
-
-def _children(indexes: dict[str, kopf.Index], key: tuple[str, str]) -> dict[tuple[str, str], dict[str, Any]]:
-    out: dict[tuple[str, str], dict[str, Any]] = {}
-    for _g, _v, plural, _k in CHILD_KINDS:
-        for entry in indexes[f"children_{plural}"].get(key, []):
-            out[(entry["kind"], entry["name"])] = _unpack(entry["body"])
-    return out
-
-
-def _indexes(kwargs: dict[str, Any]) -> dict[str, kopf.Index]:
-    return {f"children_{p}": kwargs[f"children_{p}"] for _g, _v, p, _k in CHILD_KINDS}
-
-
-# ----------------------------------------------------------------------------------- status
-def _observe(
-    desired: list[dict[str, Any]], live: dict[tuple[str, str], dict[str, Any]]
-) -> dict[str, StageObservation]:
-    obs: dict[str, StageObservation] = {}
-    for obj in desired:
-        if obj["kind"] != "Deployment":
-            continue
-        stage = obj["metadata"]["labels"][STAGE_LABEL]
-        body = live.get(("Deployment", obj["metadata"]["name"]))
-        obs[stage] = StageObservation.from_deployment(body, int(obj["spec"]["replicas"]))
-        if body is not None and drifted(body, obj):
-            obs[stage] = StageObservation(
-                desired=obs[stage].desired, ready=obs[stage].ready
-            )  # not yet rolled
-    return obs
-
-
-def _write_status(namespace: str, name: str, current: dict[str, Any] | None, status: dict[str, Any]) -> None:
-    """Write status unless it says nothing new. Call with the owner's lock held."""
-    key = (namespace, name)
-    if not status_differs(_last(key) or current, status):
-        return
-    kube().patch_status(namespace, name, status)
-    _last_status[key] = _pack(status)
-    metrics.STATUS_WRITES.inc()
-
-
-def _newest(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The later of two observations of one object (resourceVersions are etcd revisions)."""
-    if a is None or b is None:
-        return a or b
-    try:
-        ra, rb = int(a["metadata"]["resourceVersion"]), int(b["metadata"]["resourceVersion"])
-    except (KeyError, ValueError):
-        return b
-    return a if ra >= rb else b
-
-
-_RENDER_CACHE_SIZE = 64
-_RENDER_CACHE: dict[
-    tuple[str, str, str, int | None], tuple[EPDDeploymentSpec | None, list[str], list[dict[str, Any]]]
-] = {}
-
-
-def _desired(
-    namespace: str, name: str, uid: str, generation: int | None, raw_spec: dict[str, Any]
-) -> tuple[EPDDeploymentSpec | None, list[str], list[dict[str, Any]]]:
-    """Parse and render once per (owner, generation): child and pod events arrive by the thousand."""
-    key = (namespace, name, uid, generation)
-    hit = _RENDER_CACHE.get(key)
-    if hit is None:
-        spec, errors = _parse(raw_spec)
-        desired = render_children(name, namespace, uid, spec) if spec is not None else []
-        if len(_RENDER_CACHE) >= _RENDER_CACHE_SIZE:  # small: rendering costs ~0.3 ms, memory is dearer
-            _RENDER_CACHE.pop(next(iter(_RENDER_CACHE)))
-        hit = _RENDER_CACHE[key] = (spec, errors, desired)
-    return hit
-
-
-def _parse(spec: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
-    try:
-        parsed = parse_spec(spec)
-    except ValidationError as exc:
-        return None, spec_errors(exc)
-    # the spec against its latency profile, where readable here (a shipped name): spec.model.encoder
-    profile_errs = [str(e) for e in profile_errors(parsed)]
-    if profile_errs:
-        return None, profile_errs
-    try:
-        plan(parsed)  # layout rules that need the latency profile (local prefill TP) name their field too
-    except SpecError as exc:
-        return None, [str(exc)]
-    return parsed, []
+    entry = memo.read(one)
+    if entry is None:
+        return None
+    return Owner(
+        namespace=key[0],
+        name=key[1],
+        uid=str(entry["uid"]),
+        generation=entry["generation"],
+        spec=unpack(entry["spec"]),
+        status=unpack(entry["status"]),
+        deleting=bool(entry["deleting"]),
+    )
 
 
 # ----------------------------------------------------------------------------------- owner
@@ -272,202 +146,92 @@ def reconcile(
     name: str,
     body: kopf.Body,
     meta: kopf.Meta,
-    logger: logging.Logger,
+    memo: kopf.Memo,
+    patch: kopf.Patch,
     **kwargs: Any,
 ) -> None:
-    """Make the children match the spec; report what was done in status."""
-    generation = meta.get("generation")
-    key = (namespace, name)
-    current = {k: v for k, v in (body.get("status") or {}).items() if k != "kopf"}
-    spec, errors, desired = _desired(
-        namespace, name, str(meta["uid"]), generation, dict(body.get("spec") or {})
+    """Make the children match the spec; report what was done in status (in kopf's own patch)."""
+    owner = Owner(
+        namespace=namespace,
+        name=name,
+        uid=str(meta["uid"]),
+        generation=meta.get("generation"),
+        spec=dict(body.get("spec") or {}),
+        status={k: v for k, v in (body.get("status") or {}).items() if k != "kopf"},
     )
-    if spec is None:
-        metrics.RECONCILES.labels(result="invalid").inc()
-        logger.warning("invalid spec, nothing created: %s", "; ".join(errors))
-        with _owner_locks[key]:
-            _applied[key] = generation
-            prev = (_last(key) or current).get("conditions")
-            st = compute_status(
-                generation=generation,
-                spec=None,
-                errors=errors,
-                stages={},
-                previous_conditions=prev,
-                now=_now(),
-            )
-            _write_status(namespace, name, current, st)
-        return
-    live = _children(_indexes(kwargs), key)
-    apply_error = None
-    for obj in desired:
-        child = (obj["kind"], obj["metadata"]["name"])
-        if not drifted(live.get(child), obj):
-            continue
-        try:
-            live[child] = kube().apply(obj)
-            metrics.CHILD_WRITES.labels(kind=obj["kind"]).inc()
-        except ApiException as exc:
-            apply_error = f"{obj['kind']} {obj['metadata']['name']}: {exc.reason} ({exc.status})"
-            logger.error("apply failed: %s", apply_error)
-    _prune(namespace, desired, live, logger)
-    with _owner_locks[key]:
-        _applied[key] = generation
-        fresh = _children(_indexes(kwargs), key)  # events may have moved on while we applied
-        for k in set(live) | set(fresh):
-            newest = _newest(live.get(k), fresh.get(k))
-            if newest is not None:
-                live[k] = newest
-        pending = list(_unschedulable.get(key, []))
-        prev = (_last(key) or current).get("conditions")
-        st = compute_status(
-            generation=generation,
-            spec=spec,
-            errors=[],
-            stages=_observe(desired, live),
-            unschedulable=pending,
-            apply_error=apply_error,
-            previous_conditions=prev,
-            now=_now(),
-        )
-        _write_status(namespace, name, current, st)
-    metrics.RECONCILES.labels(result="error" if apply_error else "ok").inc()
-    if apply_error:
-        raise kopf.TemporaryError(apply_error, delay=10)
-
-
-def _prune(
-    namespace: str,
-    desired: list[dict[str, Any]],
-    live: dict[tuple[str, str], dict[str, Any]],
-    logger: logging.Logger,
-) -> None:
-    """Delete children we no longer render (e.g. after a mode switch); owner refs cover the rest."""
-    want = {(o["kind"], o["metadata"]["name"]) for o in desired}
-    for kind, cname in [k for k in live if k not in want]:
-        logger.info("deleting stale %s %s", kind, cname)
-        try:
-            kube().delete(kind, namespace, cname)
-        except ApiException as exc:
-            if exc.status != 404:
-                raise
-        live.pop((kind, cname), None)
+    out = memo.reconciler.reconcile(
+        owner, lambda: memo.informer.children(owner.key), status_via=lambda st: patch.status.update(st)
+    )
+    if out.apply_error:
+        raise kopf.TemporaryError(out.apply_error, delay=10)
 
 
 # ----------------------------------------------------------------------------------- children
-def _refresh(
-    namespace: str,
-    owner_name: str,
-    owners: kopf.Index,
-    kwargs: dict[str, Any],
-    repair: tuple[str, dict[str, Any] | None, str] | None = None,
-) -> None:
-    """Repair one child if needed, then recompute the owner's status from the indexes."""
-    owner = _one(owners, (namespace, owner_name))
-    if owner is None or owner["deleting"]:
-        return
-    spec, errors, desired = _desired(
-        namespace, owner_name, str(owner["uid"]), owner["generation"], _unpack(owner["spec"])
-    )
-    if spec is None:
-        return  # the owner handler reports InvalidSpec; children of an invalid spec are left alone
-    repaired: dict[tuple[str, str], dict[str, Any]] = {}
-    if repair is not None:
-        kind, body, cname = repair
-        want = next((o for o in desired if o["kind"] == kind and o["metadata"]["name"] == cname), None)
-        if want is not None and drifted(body, want):
-            repaired[(kind, cname)] = kube().apply(want)
-            metrics.CHILD_WRITES.labels(kind=kind).inc()
-            metrics.REPAIRS.labels(kind=kind).inc()
-    key = (namespace, owner_name)
-    with _owner_locks[key]:
-        if _applied.get(key) != owner["generation"]:
-            return  # the owner handler has not applied this generation yet; it writes status itself
-        live = _children(_indexes(kwargs), key)
-        for k, v in repaired.items():
-            live[k] = _newest(live.get(k), v) or v
-        current = _unpack(owner["status"])
-        pending = list(_unschedulable.get(key, []))
-        prev = (_last(key) or current).get("conditions")
-        st = compute_status(
-            generation=owner["generation"],
-            spec=spec,
-            errors=errors,
-            stages=_observe(desired, live),
-            unschedulable=pending,
-            previous_conditions=prev,
-            now=_now(),
-        )
-        _write_status(namespace, owner_name, current, st)
+def _on_child_change(memo: Any, owners: kopf.Index) -> Any:
+    """What the informer calls (on its dispatcher threads) when a child changed or was deleted."""
 
-
-def _child_event(kind: str):  # type: ignore[no-untyped-def]
-    def handler(
-        event: dict[str, Any],
-        namespace: str,
-        name: str,
-        body: kopf.Body,
-        labels: kopf.Labels,
-        owners: kopf.Index,
-        **kwargs: Any,
-    ) -> None:
-        owner = labels.get(OWNER_LABEL)
-        if not owner:
+    def on_change(key: tuple[str, str], kind: str, name: str, body: dict[str, Any] | None) -> None:
+        rec: Reconciler = memo.reconciler
+        owner = _owner_from_index(memo, owners, key)
+        if owner is None or owner.deleting:
             return
-        live = None if event.get("type") == "DELETED" else dict(body)
-        _refresh(namespace, owner, owners, kwargs, repair=(kind, live, name))
+        if rec.applied_generation(key) != owner.generation and not rec.child_drifted(owner, kind, name, body):
+            return  # the owner handler is applying this generation and will write status itself
+        rec.refresh(owner, lambda: memo.informer.children(key), repair=(kind, name, body))
 
-    return handler
-
-
-for _group, _version, _plural, _kind in CHILD_KINDS:
-    kopf.on.event(_group, _version, _plural, labels=MANAGED, id=f"repair_{_plural}")(_child_event(_kind))
+    return on_change
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-def forget_deleted(event: dict[str, Any], namespace: str, name: str, **_: Any) -> None:
-    """Drop per-owner memory once an EPDDeployment is gone, so long-running operators stay small."""
-    if event.get("type") == "DELETED":
-        key = (namespace, name)
-        _applied.pop(key, None)
-        _last_status.pop(key, None)
-        _owner_locks.pop(key, None)
-        _unschedulable.pop(key, None)
-
-
-def _not_ready(status: kopf.Status, **_: Any) -> bool:
-    return (status or {}).get("phase") not in ("Ready", "Failed", None)
-
-
-@kopf.timer(
-    GROUP,
-    VERSION,
-    PLURAL,
-    id="capacity",
-    interval=CAPACITY_CHECK_S,
-    initial_delay=CAPACITY_CHECK_S,
-    idle=None,
-    when=_not_ready,
-)
-def capacity_check(namespace: str, name: str, owners: kopf.Index, **kwargs: Any) -> None:
-    """While an owner is not Ready, look for its pods the scheduler cannot place.
-
-    Unschedulable pods change no Deployment status, so nothing else would tell us. Asking the API
-    server for the owner's *unbound* pods (a field selector) every few seconds, only while it is
-    not Ready, is far cheaper than watching every pod of every deployment (kopf keeps per-object
-    state for each watched pod: 1000 pods cost ~140 MB in our scale benchmark).
-    """
+async def owner_event(
+    event: dict[str, Any], namespace: str, name: str, status: kopf.Status, owners: kopf.Index, memo: kopf.Memo,
+    **_: Any,
+) -> None:
+    """Drop per-owner memory once an EPDDeployment is gone (long-running operators stay small);
+    once the status handed to kopf's patch is seen, write what child events found meanwhile."""
     key = (namespace, name)
-    found = kube().unschedulable_pods(namespace, f"{OWNER_LABEL}={name}")
-    if found != _unschedulable.get(key, []):
-        _unschedulable[key] = found
-        _refresh(namespace, name, owners, kwargs)
+    rec: Reconciler = memo.reconciler
+    if event.get("type") == "DELETED":
+        rec.forget(key)
+    elif rec.landed(key, (status or {}).get("observedGeneration")):
+        owner = _owner_from_index(memo, owners, key)
+        await asyncio.to_thread(rec.refresh, owner, lambda: memo.informer.children(key))
+
+
+class CapacitySweeper:
+    """Every few seconds, one list of unbound pods for all owners (``Reconciler.capacity_sweep``)."""
+
+    def __init__(self, memo: Any, owners: kopf.Index, namespaces: list[str] | None) -> None:
+        self.memo, self.owners, self.namespaces = memo, owners, namespaces
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="capacity", daemon=True)
+
+    def start(self) -> CapacitySweeper:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def _run(self) -> None:
+        rec: Reconciler = self.memo.reconciler
+        while not self.stopped.wait(CAPACITY_CHECK_S):
+            try:
+                rec.capacity_sweep(
+                    self.namespaces,
+                    owner=lambda key: _owner_from_index(self.memo, self.owners, key),
+                    children=lambda key: lambda: self.memo.informer.children(key),
+                )
+            except Exception:  # noqa: BLE001 - the next sweep tries again
+                logging.getLogger(__name__).exception("capacity sweep failed")
 
 
 # ----------------------------------------------------------------------------------- admission
-def validate(spec: kopf.Spec, **_: Any) -> None:
-    """Refuse an invalid spec at ``kubectl apply`` time, naming each offending field."""
-    _, errors = _parse(dict(spec))
+def validate(spec: kopf.Spec, name: str | None = None, **_: Any) -> None:
+    """Refuse an invalid spec (or a name whose labels cannot be applied) at ``kubectl apply`` time,
+    naming each offending field."""
+    errors = name_errors(name or "")
+    errors += check_spec(dict(spec))[1]
     if errors:
         raise kopf.AdmissionError("; ".join(errors), code=422)
 
@@ -483,9 +247,29 @@ def enable_webhook(host: str, port: int, cert: str | None, key: str | None) -> N
     kopf.on.validate(GROUP, VERSION, PLURAL, id="validate-spec", operations=["CREATE", "UPDATE"])(validate)
 
 
+@kopf.on.cleanup()
+def stop_informer(memo: kopf.Memo, **_: Any) -> None:
+    for part in ("informer", "sweeper"):
+        if part in memo:
+            memo[part].stop()
+
+
 # ----------------------------------------------------------------------------------- settings
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: kopf.Index, **_: Any) -> None:
+    """Runs on the event loop: builds the reconciler (unless injected) and the loop reader."""
+    if "reconciler" not in memo:
+        memo.reconciler = Reconciler(client_factory=Kube)
+    memo.read = LoopReader(asyncio.get_running_loop())
+    if "informer" not in memo:
+        memo.informer = ChildInformer(
+            kube_sources(new_api_client(), f"{MANAGED_KEY}={MANAGED_VALUE}", OPTIONS.namespaces or None),
+            OWNER_LABEL,
+            on_change=_on_child_change(memo, owners),
+            is_known=memo.reconciler.seen,
+        ).start()
+    if "sweeper" not in memo:
+        memo.sweeper = CapacitySweeper(memo, owners, OPTIONS.namespaces or None).start()
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
     settings.persistence.finalizer = FINALIZER

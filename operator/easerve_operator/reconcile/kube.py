@@ -12,9 +12,11 @@ import json
 import os
 from typing import Any
 
-from easerve_runtime.api import GROUP, PLURAL, VERSION
+from easerve_runtime.api import GROUP, LABEL_DEPLOYMENT, PLURAL, VERSION
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
+from easerve_operator.reconcile.loop import ClientError
 
 FIELD_MANAGER = "easerve-operator"
 
@@ -26,7 +28,9 @@ _METHODS = {  # kind -> (api class, method suffix)
 
 
 class Kube:
-    """One API client for the operator's own writes (kopf keeps its own for watching)."""
+    """One API client for the operator's own writes (kopf keeps its own for watching).
+
+    Implements ``loop.Client``; refusals surface as ``loop.ClientError``."""
 
     def __init__(self, api_client: client.ApiClient | None = None) -> None:
         self.api = api_client or new_api_client()
@@ -42,35 +46,52 @@ class Kube:
     def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
         """Server-side apply one child (creates it when missing); returns the live object."""
         meta = obj["metadata"]
-        resp = self._method(obj["kind"], "patch")(
-            meta["name"],
-            meta["namespace"],
-            obj,
-            field_manager=FIELD_MANAGER,
-            force=True,
-            _content_type="application/apply-patch+yaml",
-            _preload_content=False,
-        )
+        try:
+            resp = self._method(obj["kind"], "patch")(
+                meta["name"],
+                meta["namespace"],
+                obj,
+                field_manager=FIELD_MANAGER,
+                force=True,
+                _content_type="application/apply-patch+yaml",
+                _preload_content=False,
+            )
+        except ApiException as exc:
+            raise ClientError(int(exc.status or 0), str(exc.reason)) from exc
         return json.loads(resp.data)  # type: ignore[no-any-return]
 
     def delete(self, kind: str, namespace: str, name: str) -> None:
-        self._method(kind, "delete")(name, namespace)
+        try:
+            self._method(kind, "delete")(name, namespace)
+        except ApiException as exc:
+            raise ClientError(int(exc.status or 0), str(exc.reason)) from exc
 
-    def unschedulable_pods(self, namespace: str, selector: str) -> list[str]:
-        """``"pod: message"`` for each unbound pod the scheduler marked Unschedulable."""
-        resp = self.core.list_namespaced_pod(
-            namespace, label_selector=selector, field_selector="spec.nodeName=", _preload_content=False
-        )
-        out = []
-        for pod in json.loads(resp.data)["items"]:
-            for c in (pod.get("status") or {}).get("conditions") or []:
-                if (
-                    c.get("type") == "PodScheduled"
-                    and c.get("status") == "False"
-                    and c.get("reason") == "Unschedulable"
-                ):
-                    out.append(f"{pod['metadata']['name']}: {c.get('message', 'Unschedulable')}")
-        return sorted(out)
+    def unschedulable_pods(self, namespaces: list[str] | None) -> dict[tuple[str, str], list[str]]:
+        """Per owner (namespace, name): ``"pod: message"`` for each unbound pod the scheduler marked
+        Unschedulable. One list per scope for every owner (a field selector keeps it to unbound pods)."""
+        out: dict[tuple[str, str], list[str]] = {}
+        kw: dict[str, Any] = {
+            "label_selector": LABEL_DEPLOYMENT,
+            "field_selector": "spec.nodeName=",
+            "_preload_content": False,
+        }
+        for ns in namespaces or [None]:
+            resp = (
+                self.core.list_pod_for_all_namespaces(**kw)
+                if ns is None
+                else self.core.list_namespaced_pod(ns, **kw)
+            )
+            for pod in json.loads(resp.data)["items"]:
+                meta = pod["metadata"]
+                for c in (pod.get("status") or {}).get("conditions") or []:
+                    if (
+                        c.get("type") == "PodScheduled"
+                        and c.get("status") == "False"
+                        and c.get("reason") == "Unschedulable"
+                    ):
+                        key = (meta["namespace"], meta["labels"][LABEL_DEPLOYMENT])
+                        out.setdefault(key, []).append(f"{meta['name']}: {c.get('message', 'Unschedulable')}")
+        return {k: sorted(v) for k, v in out.items()}
 
     def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
         """Merge-patch the EPDDeployment's status subresource (never its spec)."""

@@ -1,17 +1,9 @@
 """Status from observations: a pure function, so every condition rule is unit-tested without a cluster.
 
-Condition semantics (documented in docs/api.md and relied on by the Argo CD health check):
-
-======================  ==========  ==============================================================
-situation               phase       conditions (True ones)
-======================  ==========  ==============================================================
-spec breaks a rule      Failed      Degraded=InvalidSpec, Stalled=InvalidSpec
-a child was refused     Degraded    Degraded=ApplyFailed, Stalled=ApplyFailed
-pods unschedulable      Degraded    Degraded=InsufficientCapacity, Stalled=InsufficientCapacity,
-                                    Progressing/Reconciling=PodsNotReady
-rolling out / starting  Progressing Progressing=PodsNotReady, Reconciling=PodsNotReady
-everything ready        Ready       Ready=AllStagesReady
-======================  ==========  ==============================================================
+The condition semantics are the one table ``easerve_runtime.api.status.CONDITIONS`` (situation ->
+phase -> conditions, printed in docs/api.md and relied on by the Argo CD health check); this
+module only decides *which* situation applies and fills in the messages. The result is the typed
+``EPDDeploymentStatus``; ``.wire()`` is the patch body.
 
 ``lastTransitionTime`` only moves when a condition's status flips, as Kubernetes conventions ask.
 """
@@ -22,9 +14,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec
-from easerve_runtime.api.status import Phase, Reason
-
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Reconciling", "Stalled")
+from easerve_runtime.api.status import (
+    CONDITIONS,
+    Condition,
+    EffectiveConfig,
+    EPDDeploymentStatus,
+    Message,
+    Situation,
+    StagesStatus,
+    StageStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -63,33 +62,44 @@ class StageObservation:
         )
 
 
-def _cond(ctype: str, true: bool, reason: str, message: str, generation: int | None) -> dict[str, Any]:
-    c: dict[str, Any] = {"type": ctype, "status": "True" if true else "False", "reason": str(reason)}
-    if message:
-        c["message"] = message
-    if generation is not None:
-        c["observedGeneration"] = generation
-    return c
-
-
-def _stamp(new: list[dict[str, Any]], old: list[dict[str, Any]] | None, now: str) -> list[dict[str, Any]]:
+def _stamp(new: list[Condition], old: list[dict[str, Any]] | None, now: str) -> list[Condition]:
     prev = {c.get("type"): c for c in old or []}
+    out = []
     for c in new:
-        p = prev.get(c["type"])
-        c["lastTransitionTime"] = (
-            p.get("lastTransitionTime", now) if p and p.get("status") == c["status"] else now
+        p = prev.get(c.type)
+        since = p.get("lastTransitionTime", now) if p and p.get("status") == c.status else now
+        out.append(c.model_copy(update={"last_transition_time": since}))
+    return out
+
+
+def effective(spec: EPDDeploymentSpec) -> EffectiveConfig:
+    return EffectiveConfig(
+        allocation=spec.allocation,
+        allocation_label=spec.allocation.label(),
+        batch_bound=spec.encode.batch_bound,
+        offload_ratio=spec.offload.ratio,
+        source="spec",
+    )
+
+
+def conditions_for(
+    situation: Situation, generation: int | None, texts: dict[Message, str]
+) -> tuple[str, list[Condition]]:
+    """The phase and conditions of ``situation``, straight from the table."""
+    row = CONDITIONS[situation]
+    conds = []
+    for rule in row.conditions:
+        text = texts.get(rule.message, rule.message.value) if rule.message != Message.NONE else ""
+        conds.append(
+            Condition(
+                type=rule.type,
+                status="True" if rule.true else "False",
+                reason=rule.reason.value,
+                message=text or None,
+                observed_generation=generation,
+            )
         )
-    return new
-
-
-def effective(spec: EPDDeploymentSpec) -> dict[str, Any]:
-    return {
-        "allocation": spec.allocation.wire(),
-        "allocationLabel": spec.allocation.label(),
-        "batchBound": spec.encode.batch_bound,
-        "offloadRatio": spec.offload.ratio,
-        "source": "spec",
-    }
+    return row.phase.value, conds
 
 
 def compute_status(
@@ -101,74 +111,49 @@ def compute_status(
     unschedulable: list[str] | None = None,
     apply_error: str | None = None,
     previous_conditions: list[dict[str, Any]] | None = None,
+    config_hash: str | None = None,
     now: str,
-) -> dict[str, Any]:
-    """The full ``status`` (minus kopf's own bookkeeping) for one EPDDeployment."""
+) -> EPDDeploymentStatus:
+    """The full ``status`` (minus kopf's own bookkeeping and ``tuning``) for one EPDDeployment."""
     g = generation
     unschedulable = unschedulable or []
-    out: dict[str, Any] = {"observedGeneration": g}
     if errors or spec is None:
-        msg = "; ".join(errors) or "spec is invalid"
-        conds = [
-            _cond("Ready", False, Reason.INVALID_SPEC, msg, g),
-            _cond("Progressing", False, Reason.INVALID_SPEC, "nothing is created until the spec is fixed", g),
-            _cond("Degraded", True, Reason.INVALID_SPEC, msg, g),
-            _cond("Reconciling", False, Reason.INVALID_SPEC, "", g),
-            _cond("Stalled", True, Reason.INVALID_SPEC, msg, g),
-        ]
-        out.update(phase=Phase.FAILED.value, conditions=_stamp(conds, previous_conditions, now))
-        return out
-
+        phase, conds = conditions_for(
+            Situation.INVALID_SPEC, g, {Message.PROBLEM: "; ".join(errors) or "spec is invalid"}
+        )
+        return EPDDeploymentStatus(
+            observed_generation=g, phase=phase, conditions=_stamp(conds, previous_conditions, now)
+        )
     obs = stages  # one entry per rendered Deployment (encode/prefill/decode, or omni)
-    out["stages"] = {s: {"desired": o.desired, "ready": min(o.ready, o.desired)} for s, o in obs.items()}
-    out["readySummary"] = ",".join(f"{v['ready']}/{v['desired']}" for v in out["stages"].values())
-    out["effective"] = effective(spec)
-    all_ready = all(o.complete for o in obs.values())
+    per_stage = {s: StageStatus(desired=o.desired, ready=min(o.ready, o.desired)) for s, o in obs.items()}
+    summary = ",".join(f"{v.ready}/{v.desired}" for v in per_stage.values())
     waiting = ", ".join(
         f"{s} {min(o.ready, o.desired)}/{o.desired} ready" + ("" if o.rolled_out else " (rolling out)")
         for s, o in obs.items()
         if not o.complete
     )
+    texts = {Message.WAITING: waiting, Message.SUMMARY: f"all stages ready ({summary})"}
     if apply_error:
-        conds = [
-            _cond("Ready", False, Reason.APPLY_FAILED, apply_error, g),
-            _cond("Progressing", False, Reason.APPLY_FAILED, apply_error, g),
-            _cond("Degraded", True, Reason.APPLY_FAILED, apply_error, g),
-            _cond("Reconciling", False, Reason.APPLY_FAILED, "", g),
-            _cond("Stalled", True, Reason.APPLY_FAILED, apply_error, g),
-        ]
-        phase = Phase.DEGRADED
+        situation = Situation.APPLY_FAILED
+        texts[Message.PROBLEM] = apply_error
     elif unschedulable:
-        msg = f"{len(unschedulable)} pod(s) cannot be scheduled: {unschedulable[0]}"
-        conds = [
-            _cond("Ready", False, Reason.INSUFFICIENT_CAPACITY, msg, g),
-            _cond("Progressing", True, Reason.PODS_NOT_READY, waiting or msg, g),
-            _cond("Degraded", True, Reason.INSUFFICIENT_CAPACITY, msg, g),
-            _cond("Reconciling", True, Reason.PODS_NOT_READY, waiting or msg, g),
-            _cond("Stalled", True, Reason.INSUFFICIENT_CAPACITY, msg, g),
-        ]
-        phase = Phase.DEGRADED
-    elif not all_ready:
-        conds = [
-            _cond("Ready", False, Reason.PODS_NOT_READY, waiting, g),
-            _cond("Progressing", True, Reason.PODS_NOT_READY, waiting, g),
-            _cond("Degraded", False, Reason.AS_EXPECTED, "", g),
-            _cond("Reconciling", True, Reason.PODS_NOT_READY, waiting, g),
-            _cond("Stalled", False, Reason.AS_EXPECTED, "", g),
-        ]
-        phase = Phase.PROGRESSING
+        situation = Situation.UNSCHEDULABLE
+        texts[Message.PROBLEM] = f"{len(unschedulable)} pod(s) cannot be scheduled: {unschedulable[0]}"
+        texts[Message.WAITING] = waiting or texts[Message.PROBLEM]
+    elif not all(o.complete for o in obs.values()):
+        situation = Situation.PROGRESSING
     else:
-        msg = f"all stages ready ({out['readySummary']})"
-        conds = [
-            _cond("Ready", True, Reason.ALL_READY, msg, g),
-            _cond("Progressing", False, Reason.AS_EXPECTED, "", g),
-            _cond("Degraded", False, Reason.AS_EXPECTED, "", g),
-            _cond("Reconciling", False, Reason.AS_EXPECTED, "", g),
-            _cond("Stalled", False, Reason.AS_EXPECTED, "", g),
-        ]
-        phase = Phase.READY
-    out.update(phase=phase.value, conditions=_stamp(conds, previous_conditions, now))
-    return out
+        situation = Situation.READY
+    phase, conds = conditions_for(situation, g, texts)
+    return EPDDeploymentStatus(
+        observed_generation=g,
+        phase=phase,
+        conditions=_stamp(conds, previous_conditions, now),
+        stages=StagesStatus(**per_stage),
+        ready_summary=summary,
+        effective=effective(spec),
+        config_hash=config_hash,
+    )
 
 
 def status_differs(current: dict[str, Any] | None, new: dict[str, Any]) -> bool:

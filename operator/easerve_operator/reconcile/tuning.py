@@ -2,13 +2,29 @@
 
 The search runs in a kopf daemon (one thread per EPDDeployment that asks for it), with the twin
 as its trial runner (``engine.backend: sim``; a Kubernetes trial runner comes later). Progress
-and the result go to ``status.tuning``; the operator never writes ``spec``. To adopt the
-recommendation, copy ``status.tuning.best`` (allocation, batchBound, offloadRatio) into the
-manifest in Git.
+and the result go to ``status.tuning`` (the typed ``TuningStatus``); the operator never writes
+``spec``. To adopt the recommendation, copy ``status.tuning.best`` (allocation, batchBound,
+offloadRatio) into the manifest in Git.
 
-The search is keyed by a *fingerprint* of the spec without the searched dimensions (allocation,
-B, s): adopting the recommendation does not start a new search, while changing the model, the
-profile, the SLOs or the tuning settings does.
+**What identifies a search.** A *fingerprint* of the spec without what the search chooses
+(allocation, B, s) and without ``smPartition.mode``/``staticEncodeSms``: adopting a
+recommendation with s = 1 *forces* ``smPartition.mode: none`` (a cross-field rule), so a
+fingerprint that included the mode restarted the search on adoption. The partition the search's
+s < 1 trials ran with is recorded separately (``status.tuning.partition``), and a spec asks for a
+new search only when it names a *different* partition explicitly (``none`` means "whatever the
+search used", which is what an adopted s = 1 leaves behind).
+
+**No second search after the first.** The daemon remembers what it finished itself: kopf's
+``body`` is updated by watch events, so right after writing ``state: Succeeded`` it may still
+show ``Running``; reading it back started a new search (the intermittent failure of
+``test_tuning_result_goes_to_status_never_spec``). Status is only read to learn what an earlier
+operator process did.
+
+**Resume after a kill.** Every trial is appended (fsync'ed) to ``trials.jsonl`` in a per-search
+directory (``$EASERVE_STATE_DIR`` or ``$TMPDIR/easerve-operator``; an emptyDir in the chart, so
+it survives container restarts). A daemon that finds ``state: Running`` with its fingerprint
+resumes from the records through ``tuning.records``: finished trials are neither repeated nor
+lost (tested by killing the process at three points).
 """
 
 from __future__ import annotations
@@ -17,48 +33,91 @@ import datetime
 import hashlib
 import json
 import logging
+import os
+import shutil
+import tempfile
 import time
-from typing import Any
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, Protocol
 
 import kopf
-from easerve_runtime.api import GROUP, PLURAL, VERSION, EPDDeploymentSpec, parse_spec
+from easerve_runtime.api import (
+    GROUP,
+    PLURAL,
+    VERSION,
+    EPDDeploymentSpec,
+    PartitionMode,
+    TuningState,
+    TuningStatus,
+    parse_spec,
+)
+from easerve_runtime.api.status import Stage1Summary, TuningBest
 from pydantic import ValidationError
 
 from easerve_operator.reconcile.kube import Kube
 
-SEARCHED = ("allocation",)
 PROGRESS_EVERY_S = 2.0
+STATE_DIR_ENV = "EASERVE_STATE_DIR"
+log = logging.getLogger(__name__)
 
 
 class _Abort(Exception):
     """The daemon is stopping, or the spec changed under the search."""
 
 
+# ------------------------------------------------------------------------------------ identity
 def fingerprint(spec: EPDDeploymentSpec) -> str:
+    """The search's inputs: the spec without the searched dimensions and the SM partition."""
     wire = spec.wire()
-    for key in SEARCHED:
-        wire.pop(key, None)
+    wire.pop("allocation", None)
     wire.get("encode", {}).pop("batchBound", None)
     wire.get("offload", {}).pop("ratio", None)
+    wire.get("smPartition", {}).pop("mode", None)
+    wire.get("smPartition", {}).pop("staticEncodeSms", None)
     return hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:16]
 
 
-def camel(obj: Any) -> Any:
-    """status is camelCase like the rest of the API."""
-    if isinstance(obj, dict):
-        out = {}
-        for k, v in obj.items():
-            head, *rest = str(k).split("_")
-            out[head + "".join(p[:1].upper() + p[1:] for p in rest)] = camel(v)
-        return out
-    if isinstance(obj, list):
-        return [camel(v) for v in obj]
-    return obj
+def partition(spec: EPDDeploymentSpec) -> str:
+    """The partition the search's s < 1 trials run with (``tuning.space.apply_candidate``:
+    ``none`` becomes ``dynamic``; ``static`` keeps its encode SMs)."""
+    if spec.sm_partition.mode == PartitionMode.STATIC:
+        return f"static:{spec.sm_partition.static_encode_sms}"
+    return PartitionMode.DYNAMIC.value
 
 
-def search(spec: EPDDeploymentSpec, on_progress: Any) -> dict[str, Any]:
-    """Run HAS on the twin for ``spec``; return ``TuningResult.summary()``."""
+def needs_search(spec: EPDDeploymentSpec, done: dict[str, Any] | None) -> bool:
+    """Whether ``spec`` asks for a search that ``done`` (a finished ``status.tuning``) did not run."""
+    if not done or done.get("state") not in (TuningState.SUCCEEDED, TuningState.FAILED):
+        return True
+    if done.get("fingerprint") != fingerprint(spec):
+        return True
+    explicit = spec.sm_partition.mode != PartitionMode.NONE
+    return explicit and done.get("partition") not in (None, partition(spec))
+
+
+def state_dir() -> Path:
+    return Path(os.environ.get(STATE_DIR_ENV) or Path(tempfile.gettempdir()) / "easerve-operator")
+
+
+def records_dir(namespace: str, name: str, uid: str, spec: EPDDeploymentSpec) -> Path:
+    """One directory per (object, search): a recreated object never resumes a stranger's search."""
+    return state_dir() / "tuning" / namespace / f"{name}-{uid}" / f"{fingerprint(spec)}-{partition(spec)}"
+
+
+# ------------------------------------------------------------------------------------ search
+def search(
+    spec: EPDDeploymentSpec,
+    directory: Path,
+    on_progress: Callable[[Any, list[Any]], None] | None = None,
+) -> tuple[Any, int]:
+    """Run (or resume) HAS on the twin for ``spec``, recording trials under ``directory``.
+
+    Returns ``(TuningResult, trials recovered from the records)``. Records of another search in
+    the directory (the spec changed while the operator was down) are moved aside, not mixed in.
+    """
     from easerve_operator.tuning.loop import StopRules
+    from easerve_operator.tuning.records import RecordMismatch, RecordStore
     from easerve_operator.tuning.runners.sim import SimRunner, SimStageProfiler
     from easerve_operator.tuning.search import tune
     from easerve_operator.tuning.space import space_for
@@ -66,18 +125,62 @@ def search(spec: EPDDeploymentSpec, on_progress: Any) -> dict[str, Any]:
     rate = float(spec.tuning.target_rate or 1.0)
     profiler = SimStageProfiler(spec, rate=rate)
     space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp())
-    result = tune(
-        spec,
-        runner=SimRunner(),
-        profiler=profiler,
-        space=space,
-        rate=rate,
-        objective=spec.tuning.objective,
-        rules=StopRules(budget=spec.tuning.trial_budget),
-        requests=spec.tuning.requests_per_trial,
-        on_trial=on_progress,
+    store = RecordStore(directory)
+
+    def run() -> Any:
+        return tune(
+            spec,
+            runner=SimRunner(),
+            profiler=profiler,
+            space=space,
+            rate=rate,
+            objective=spec.tuning.objective,
+            rules=StopRules(budget=spec.tuning.trial_budget),
+            requests=spec.tuning.requests_per_trial,
+            store=store,
+            resume=True,
+            on_trial=on_progress,
+        )
+
+    try:
+        resumed = len(store.load()[2]) if store.exists() else 0
+        return run(), resumed
+    except RecordMismatch as exc:  # another search, or records the proposer does not replay
+        aside = directory.with_name(f"{directory.name}.stale-{int(time.time())}")
+        log.warning("records in %s belong to another search (%s); moved to %s", directory, exc, aside)
+        shutil.move(str(directory), str(aside))
+        return run(), 0
+
+
+def result_status(result: Any, fp: str, part: str, started: str, resumed: int, budget: int) -> TuningStatus:
+    """``TuningResult`` -> the typed ``status.tuning`` of a finished search."""
+    s = result.summary()
+    best = s.get("best")
+    stage1 = s.get("stage1")
+    return TuningStatus(
+        state=TuningState.SUCCEEDED,
+        fingerprint=fp,
+        partition=part,
+        started_at=started,
+        finished_at=_now(),
+        trials=s["n_trials"],
+        resumed_trials=resumed,
+        budget=budget,
+        method=s["method"],
+        objective=s["objective"],
+        rate=s["rate"],
+        best=None if best is None else TuningBest.model_validate(best),
+        stop_reason=s["stop_reason"],
+        n_trials=s["n_trials"],
+        stage1=None if stage1 is None else Stage1Summary.model_validate(stage1),
+        device_s=s["device_s"],
     )
-    return result.summary()
+
+
+def tuning_patch(status: TuningStatus) -> dict[str, Any]:
+    """The merge patch that *replaces* ``status.tuning``: unset fields are sent as null, so nothing
+    of an earlier search (its best, its finish time) survives into a new one."""
+    return {"tuning": status.model_dump(mode="json", by_alias=True)}
 
 
 def _now() -> str:
@@ -92,97 +195,123 @@ class _Progress:
     """``on_trial`` callback: aborts when the daemon stops or the spec changes, and reports progress."""
 
     def __init__(
-        self, kube: Kube, namespace: str, name: str, fp: str, body: kopf.Body, stopped: kopf.DaemonStopped
+        self,
+        write: Callable[[TuningStatus], None],
+        running: TuningStatus,
+        body: Mapping[str, Any],
+        stopped: Stopped,
     ) -> None:
-        self.kube, self.namespace, self.name, self.fp = kube, namespace, name, fp
-        self.body, self.stopped = body, stopped
+        self.write, self.running, self.body, self.stopped = write, running, body, stopped
         self.last = 0.0
 
-    def _fingerprint_now(self) -> str | None:
+    def _same_search(self) -> bool:
         try:
-            return fingerprint(parse_spec(dict(self.body.get("spec") or {})))
+            spec = parse_spec(dict(self.body.get("spec") or {}))
         except ValidationError:
-            return None
+            return False
+        return fingerprint(spec) == self.running.fingerprint and (
+            spec.sm_partition.mode == PartitionMode.NONE or partition(spec) == self.running.partition
+        )
 
     def __call__(self, rec: Any, records: list[Any]) -> None:
-        if self.stopped or self._fingerprint_now() != self.fp:
+        if self.stopped or not self._same_search():
             raise _Abort()
         now = time.monotonic()
         if now - self.last < PROGRESS_EVERY_S:
             return
         self.last = now
         vals = [r.value for r in records if r.ok and not r.cached]
-        self.kube.patch_status(
-            self.namespace,
-            self.name,
-            {"tuning": {"trials": len(vals), "bestSoFar": max(vals) if vals else None}},
+        self.running = self.running.model_copy(
+            update={"trials": len(vals), "best_so_far": max(vals) if vals else None}
         )
+        self.write(self.running)
+
+
+class StatusWriter(Protocol):
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None: ...
+
+
+class Stopped(Protocol):
+    """kopf.DaemonStopped: true once the daemon must stop; ``wait`` sleeps unless it is stopped."""
+
+    def __bool__(self) -> bool: ...
+
+    def wait(self, timeout: float | None = None) -> Any: ...
 
 
 @kopf.daemon(GROUP, VERSION, PLURAL, id="tuning", when=_enabled, cancellation_timeout=10.0)
 def tuning_daemon(
-    stopped: kopf.DaemonStopped, body: kopf.Body, namespace: str, name: str, logger: logging.Logger, **_: Any
+    stopped: kopf.DaemonStopped,
+    body: kopf.Body,
+    meta: kopf.Meta,
+    namespace: str,
+    name: str,
+    logger: logging.Logger,
+    **_: Any,
 ) -> None:
-    kube = Kube()
+    run_daemon(Kube(), stopped, body, namespace, name, str(meta.get("uid")), logger)
+
+
+def run_daemon(
+    client: StatusWriter,
+    stopped: Stopped,
+    body: Mapping[str, Any],
+    namespace: str,
+    name: str,
+    uid: str,
+    logger: logging.Logger = log,
+) -> None:
+    """The daemon's loop: search when the spec asks for a search nobody finished, else wait.
+
+    ``body`` is kopf's live view of the object (updated by watch events, so it lags behind our
+    own status writes); ``client`` writes status.
+    """
+
+    def write(st: TuningStatus) -> None:
+        client.patch_status(namespace, name, tuning_patch(st))
+
+    # What this daemon finished itself; kopf's body lags behind our own writes (module docstring).
+    finished: dict[str, Any] | None = None
     while not stopped:
         try:
             spec = parse_spec(dict(body.get("spec") or {}))
         except ValidationError:
             stopped.wait(5)  # the reconciler reports InvalidSpec; nothing to search
             continue
-        fp = fingerprint(spec)
-        current = (body.get("status") or {}).get("tuning") or {}
-        if current.get("fingerprint") == fp and current.get("state") in ("Succeeded", "Failed"):
+        current = finished or (body.get("status") or {}).get("tuning") or {}
+        if not needs_search(spec, current):
             stopped.wait(5)
             continue
+        fp, part = fingerprint(spec), partition(spec)
+        started = current.get("startedAt") if current.get("fingerprint") == fp else None
+        started = started or _now()
         budget = spec.tuning.trial_budget
-        started = _now()
-        kube.patch_status(
-            namespace,
-            name,
-            {
-                "tuning": {
-                    "state": "Running",
-                    "fingerprint": fp,
-                    "startedAt": started,
-                    "trials": 0,
-                    "budget": budget,
-                }
-            },
+        directory = records_dir(namespace, name, uid, spec)
+        running = TuningStatus(
+            state=TuningState.RUNNING, fingerprint=fp, partition=part, started_at=started, trials=0, budget=budget
         )
+        write(running)
         try:
-            summary = search(spec, _Progress(kube, namespace, name, fp, body, stopped))
+            result, resumed = search(spec, directory, _Progress(write, running, body, stopped))
         except _Abort:
             logger.info("tuning search interrupted (operator stopping or spec changed)")
             continue
         except Exception as exc:  # noqa: BLE001 - report any failure of the search in status
             logger.exception("tuning search failed")
-            kube.patch_status(
-                namespace,
-                name,
-                {
-                    "tuning": {
-                        "state": "Failed",
-                        "fingerprint": fp,
-                        "message": f"{type(exc).__name__}: {exc}",
-                        "finishedAt": _now(),
-                    }
-                },
+            failed = TuningStatus(
+                state=TuningState.FAILED,
+                fingerprint=fp,
+                partition=part,
+                started_at=started,
+                finished_at=_now(),
+                budget=budget,
+                message=f"{type(exc).__name__}: {exc}",
             )
+            write(failed)
+            finished = failed.wire()
             continue
-        logger.info("tuning done: %s", json.dumps(summary.get("best"))[:300])
-        kube.patch_status(
-            namespace,
-            name,
-            {
-                "tuning": {
-                    **camel(summary),
-                    "state": "Succeeded",
-                    "fingerprint": fp,
-                    "startedAt": started,
-                    "finishedAt": _now(),
-                    "trials": summary.get("n_trials"),
-                    "budget": budget,
-                }
-            },
-        )
+        done = result_status(result, fp, part, started, resumed, budget)
+        logger.info("tuning done (%d trials, %d resumed): %s", done.n_trials or 0, resumed,
+                    json.dumps(done.wire().get("best"))[:300])
+        write(done)
+        finished = done.wire()

@@ -23,7 +23,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from easerve_operator.tuning.records import RecordStore, TrialRecord
+from easerve_operator.tuning.records import RecordMismatch, RecordStore, TrialRecord
 from easerve_operator.tuning.runners import TrialMetrics
 from easerve_operator.tuning.selection import DEFAULT_TIE_TOLERANCE, Objective, select_best
 from easerve_operator.tuning.space import Candidate
@@ -224,7 +224,7 @@ def replay(proposer: Proposer, records: Sequence[TrialRecord]) -> None:
         p = proposer.ask()
         if p is None or p.candidate.key() != r.candidate.key():
             got = None if p is None else p.candidate.to_dict()
-            raise ValueError(
+            raise RecordMismatch(
                 f"records do not replay: trial {r.number} was {r.candidate.to_dict()}, proposer gave {got}"
             )
         proposer.tell(r)

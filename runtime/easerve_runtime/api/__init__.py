@@ -31,8 +31,10 @@ from easerve_runtime.api.constants import (
     Stage,
 )
 from easerve_runtime.api.rules import (
+    LABEL_VALUE_MAX,
     SpecError,
     cross_field_errors,
+    name_errors,
     spec_errors,
 )
 from easerve_runtime.api.runtime_config import (
@@ -83,6 +85,8 @@ from easerve_runtime.api.status import (
     Reason,
     StagesStatus,
     StageStatus,
+    TuningState,
+    TuningStatus,
 )
 
 __all__ = [
@@ -113,6 +117,7 @@ __all__ = [
     "LABEL_DEPLOYMENT",
     "LABEL_STAGE",
     "LimitsSpec",
+    "LABEL_VALUE_MAX",
     "Modality",
     "Model",
     "ModelSpec",
@@ -145,10 +150,13 @@ __all__ = [
     "TIER_NAMES",
     "TuningSpec",
     "AdaptSpec",
+    "TuningState",
+    "TuningStatus",
     "VERSION",
     "cross_field_errors",
     "dynamo_namespace",
     "load_manifest",
+    "name_errors",
     "parse_spec",
     "spec_errors",
 ]

@@ -136,6 +136,25 @@ def engine_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
     return errs
 
 
+LABEL_VALUE_MAX = 63
+"""Kubernetes caps label values at 63 characters; every child carries ``metadata.name`` as a label."""
+
+
+def name_errors(name: str) -> list[str]:
+    """Rules on ``metadata.name`` that the children's labels impose (the API server admits 253 chars).
+
+    Every child is labelled ``easerve.io/deployment: <metadata.name>`` (selectors, the capacity
+    check and GitOps grouping rely on it), so a longer name could never be applied: refuse it
+    up front, naming the field, instead of letting every child fail with an opaque 422.
+    """
+    if len(name) > LABEL_VALUE_MAX:
+        return [
+            f"metadata.name: is {len(name)} characters; at most {LABEL_VALUE_MAX} are allowed, because every "
+            f"child carries it as a label value (easerve.io/deployment)"
+        ]
+    return []
+
+
 def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[str]:
     """Format a pydantic error as ``spec.a.b: message`` lines naming each field by wire path."""
     out: list[str] = []
@@ -145,7 +164,7 @@ def spec_errors(exc: ValidationError, prefix: str = "spec") -> list[str]:
             out.append(str(ctx_err))
             continue
         loc = ".".join([prefix] + [str(p) for p in e["loc"]])
-        msg = e["msg"]
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         out.append(f"{loc}: {msg}")

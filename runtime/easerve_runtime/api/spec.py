@@ -11,12 +11,14 @@ spec's model validator, so every way of building a spec checks them.
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from pydantic.alias_generators import to_camel
 
 from easerve_runtime.api.constants import KIND
@@ -332,8 +334,27 @@ class DiscoverySpec(Model):
     etcd_endpoints: str | None = Field(default=None, description="etcd endpoints for the etcd backend.")
 
 
+HTTP_URL_PATTERN = r"^https?://[^/?#\s]+[^\s]*$"
+
+
 class ObservabilitySpec(Model):
-    prometheus_url: str | None = Field(default=None, description="Prometheus base URL that HAS queries.")
+    prometheus_url: str | None = Field(
+        default=None,
+        max_length=2048,
+        description="Prometheus base URL that HAS queries (http or https).",
+        json_schema_extra={"pattern": HTTP_URL_PATTERN},  # the CRD refuses other schemes too
+    )
+
+    @field_validator("prometheus_url")
+    @classmethod
+    def _http_only(cls, v: str | None) -> str | None:
+        """The operator fetches this URL: only http(s), with a host (no file://, gopher://, ...)."""
+        if v is None:
+            return v
+        parts = urlsplit(v)
+        if parts.scheme not in ("http", "https") or not parts.netloc or not re.match(HTTP_URL_PATTERN, v):
+            raise ValueError(f"must be an http:// or https:// URL with a host, got '{v[:100]}'")
+        return v
 
 
 class LimitsSpec(Model):

@@ -4,12 +4,20 @@ Shaped for GitOps tools: ``observedGeneration`` plus conditions that Argo CD, Fl
 understand. ``Ready``/``Progressing``/``Degraded`` are the human-facing trio; ``Reconciling``
 and ``Stalled`` mirror them with kstatus' "abnormal-true" semantics so that ``kstatus`` and
 Flux health checks work without custom code.
+
+These models *build* the status the operator writes (``EPDDeploymentStatus.wire()`` is the
+patch body) and the CRD's status schema is generated from them, so every written field is in
+the schema: nothing the operator writes is pruned by the API server.
+
+``CONDITIONS`` is the one table of condition semantics: situation -> phase -> conditions. The
+operator's status rules look rows up in it, docs/api.md prints it, and a test keeps the two equal.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
@@ -30,17 +38,117 @@ class Reason(StrEnum):
     RECONCILING = "Reconciling"  # children being created/updated
     PODS_NOT_READY = "PodsNotReady"  # children exist, some pods are not ready yet
     ALL_READY = "AllStagesReady"
-    INVALID_SPEC = "InvalidSpec"  # the spec breaks a rule; nothing was created
+    INVALID_SPEC = "InvalidSpec"  # the spec (or metadata.name) breaks a rule; nothing was created
     INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # pods cannot be scheduled (e.g. GPUs)
     APPLY_FAILED = "ApplyFailed"  # the API server refused a child
     AS_EXPECTED = "AsExpected"
+
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Reconciling", "Stalled")
+
+
+class Situation(StrEnum):
+    """What the operator sees, most severe first: the first that applies picks the table row."""
+
+    INVALID_SPEC = "the spec breaks a rule"
+    APPLY_FAILED = "the API server refused a child"
+    UNSCHEDULABLE = "pods cannot be scheduled (e.g. GPUs)"
+    PROGRESSING = "creating, or rolling out a change"
+    READY = "every stage ready at the current generation"
+
+
+class Message(StrEnum):
+    """Which text a condition carries (filled in by the operator from what it observed)."""
+
+    NONE = ""
+    PROBLEM = "problem"  # the error, the apply failure, or the scheduler's message
+    WAITING = "waiting"  # which stages are not ready yet (the problem when nothing waits)
+    NOTHING_CREATED = "nothing is created until the spec is fixed"
+    SUMMARY = "summary"  # all stages ready (2/2,1/1,2/2)
+
+
+@dataclass(frozen=True)
+class ConditionRule:
+    type: str
+    true: bool
+    reason: Reason
+    message: Message = Message.NONE
+
+
+@dataclass(frozen=True)
+class Row:
+    phase: Phase
+    conditions: tuple[ConditionRule, ...]
+
+
+def _row(phase: Phase, *rules: tuple[bool, Reason, Message]) -> Row:
+    return Row(phase, tuple(ConditionRule(t, *r) for t, r in zip(CONDITION_TYPES, rules, strict=True)))
+
+
+_P, _W, _N = Message.PROBLEM, Message.WAITING, Message.NONE
+CONDITIONS: dict[Situation, Row] = {
+    # situation: phase, then (True?, reason, message) for Ready, Progressing, Degraded, Reconciling, Stalled
+    Situation.INVALID_SPEC: _row(
+        Phase.FAILED,
+        (False, Reason.INVALID_SPEC, _P),
+        (False, Reason.INVALID_SPEC, Message.NOTHING_CREATED),
+        (True, Reason.INVALID_SPEC, _P),
+        (False, Reason.INVALID_SPEC, _N),
+        (True, Reason.INVALID_SPEC, _P),
+    ),
+    Situation.APPLY_FAILED: _row(
+        Phase.DEGRADED,
+        (False, Reason.APPLY_FAILED, _P),
+        (False, Reason.APPLY_FAILED, _P),
+        (True, Reason.APPLY_FAILED, _P),
+        (False, Reason.APPLY_FAILED, _N),
+        (True, Reason.APPLY_FAILED, _P),
+    ),
+    Situation.UNSCHEDULABLE: _row(
+        Phase.DEGRADED,
+        (False, Reason.INSUFFICIENT_CAPACITY, _P),
+        (True, Reason.PODS_NOT_READY, _W),
+        (True, Reason.INSUFFICIENT_CAPACITY, _P),
+        (True, Reason.PODS_NOT_READY, _W),
+        (True, Reason.INSUFFICIENT_CAPACITY, _P),
+    ),
+    Situation.PROGRESSING: _row(
+        Phase.PROGRESSING,
+        (False, Reason.PODS_NOT_READY, _W),
+        (True, Reason.PODS_NOT_READY, _W),
+        (False, Reason.AS_EXPECTED, _N),
+        (True, Reason.PODS_NOT_READY, _W),
+        (False, Reason.AS_EXPECTED, _N),
+    ),
+    Situation.READY: _row(
+        Phase.READY,
+        (True, Reason.ALL_READY, Message.SUMMARY),
+        (False, Reason.AS_EXPECTED, _N),
+        (False, Reason.AS_EXPECTED, _N),
+        (False, Reason.AS_EXPECTED, _N),
+        (False, Reason.AS_EXPECTED, _N),
+    ),
+}
+
+
+def conditions_table_markdown() -> str:
+    """The table of docs/api.md, printed from ``CONDITIONS`` (a test keeps them equal)."""
+    lines = ["| situation | phase | conditions that are True (reason) |", "|---|---|---|"]
+    for situation, row in CONDITIONS.items():
+        by_reason: dict[str, list[str]] = {}
+        for c in row.conditions:
+            if c.true:
+                by_reason.setdefault(c.reason.value, []).append(c.type)
+        true = "; ".join(f"{', '.join(types)} ({reason})" for reason, types in by_reason.items())
+        lines.append(f"| {situation.value} | {row.phase.value} | {true} |")
+    return "\n".join(lines)
 
 
 class Condition(Model):
     type: str
     status: Literal["True", "False", "Unknown"]
     reason: str
-    message: str = ""
+    message: str | None = None
     last_transition_time: str | None = None
     observed_generation: int | None = None
 
@@ -51,9 +159,12 @@ class StageStatus(Model):
 
 
 class StagesStatus(Model):
-    encode: StageStatus = Field(default_factory=StageStatus)
-    prefill: StageStatus = Field(default_factory=StageStatus)
-    decode: StageStatus = Field(default_factory=StageStatus)
+    """Desired and ready pods per rendered stage (encode/prefill/decode, or omni)."""
+
+    encode: StageStatus | None = None
+    prefill: StageStatus | None = None
+    decode: StageStatus | None = None
+    omni: StageStatus | None = Field(default=None, description="omni-colocated mode: one pod per GPU.")
 
 
 class EffectiveConfig(Model):
@@ -66,12 +177,90 @@ class EffectiveConfig(Model):
     source: Literal["spec", "tuning"] = "spec"
 
 
+# ------------------------------------------------------------------------------------ tuning
+class TuningState(StrEnum):
+    RUNNING = "Running"
+    SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class TrialMetricsStatus(Model):
+    """What one trial measured (seconds; goodput in req/s per SLO tier)."""
+
+    throughput: float
+    ttft_mean: float
+    tpot_mean: float
+    goodput: dict[str, float] = Field(default_factory=dict)
+    ttft_p99: float | None = None
+    tpot_p99: float | None = None
+    completed: int = 0
+    cost_s: float = 0.0
+
+
+class AllocCounts(Model):
+    encode: int
+    prefill: int
+    prefill_tp: int
+    decode: int
+    decode_tp: int
+
+
+class TuningBest(Model):
+    """The recommendation: copy specAllocation, batchBound and offloadRatio into Git."""
+
+    allocation: str = Field(description="E/P/D label of the recommended allocation.")
+    alloc: AllocCounts
+    batch_bound: int
+    offload_ratio: float
+    trial: int
+    value: float
+    metrics: TrialMetricsStatus
+    spec_allocation: Allocation = Field(description="spec.allocation that runs the recommendation.")
+
+
+class Stage1Row(Model):
+    allocation: str
+    score: float | None = None
+    bottleneck: str | None = None
+    kept: bool
+    reason: str | None = None
+
+
+class Stage1Summary(Model):
+    kept: int
+    of: int
+    table: list[Stage1Row] = Field(default_factory=list)
+
+
+class TuningStatus(Model):
+    """Progress and result of the HAS search that spec.tuning.enabled runs in the operator."""
+
+    state: TuningState
+    fingerprint: str = Field(description="The search's inputs: the spec without allocation, B, s and SM split.")
+    partition: str | None = Field(default=None, description="SM partition the search's s < 1 trials ran with.")
+    started_at: str | None = None
+    finished_at: str | None = None
+    trials: int | None = Field(default=None, description="Trials run so far (resumed ones included).")
+    resumed_trials: int | None = Field(default=None, description="Trials recovered from records after a restart.")
+    budget: int | None = None
+    best_so_far: float | None = None
+    message: str | None = None
+    method: str | None = None
+    objective: str | None = None
+    rate: float | None = None
+    best: TuningBest | None = None
+    stop_reason: str | None = None
+    n_trials: int | None = None
+    stage1: Stage1Summary | None = None
+    device_s: float | None = None
+
+
 class EPDDeploymentStatus(Model):
     observed_generation: int | None = None
     phase: Phase = Phase.PENDING
     conditions: list[Condition] = Field(default_factory=list)
-    stages: StagesStatus = Field(default_factory=StagesStatus)
+    stages: StagesStatus | None = None
     effective: EffectiveConfig | None = None
     ready_summary: str | None = Field(default=None, description="Ready pods per stage, e.g. 2/2,1/1,2/2.")
     config_hash: str | None = Field(default=None, description="Checksum of the runtime ConfigMap in force.")
-    tuning: dict[str, Any] | None = Field(default=None, description="Result of the last HAS search.")
+    tuning: TuningStatus | None = Field(default=None, description="Progress and result of the HAS search.")
