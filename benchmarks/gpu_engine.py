@@ -109,7 +109,8 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
     from easerve_runtime.engines.hf import HFEncodeEngine
 
     eng = HFEncodeEngine(d, device="cuda", random_weights=True)
-    res: dict[str, Any] = {"note": "images/s per GPU; every request one image + a short prompt"}
+    res: dict[str, Any] = {"note": "images/s per GPU; every request one image + a short prompt",
+                           "batched_preprocess": eng.batched_preprocess}
     msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},)
     n = 32 if args.quick else 96
     for name, (h, w) in SIZES.items():
@@ -128,6 +129,10 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
         sync()
         row["passthrough_b1_img_s"] = round(n / (time.perf_counter() - t0), 1)
         row["passthrough_path"] = eng.last_path
+        eng.profile = True
+        eng._encode_sync([reqs[0]])
+        eng.profile = False
+        row["passthrough_phases_ms"] = dict(eng.last_timing)
         # (b) micro-batches, GPU decode + processor on CUDA
         eng.gpu_decode = True
         for b in (8, 16):
@@ -145,6 +150,10 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
             row[f"microbatch_b{b}_img_s"] = round(done / (time.perf_counter() - t0), 1)
             row[f"microbatch_b{b}_ms_p50"] = round(1e3 * statistics.median(lat), 2)
             row[f"microbatch_b{b}_path"] = eng.last_path
+            eng.profile = True  # one more batch, synchronized between phases: where the time goes
+            eng._encode_sync(reqs[:b])
+            eng.profile = False
+            row[f"microbatch_b{b}_phases_ms"] = dict(eng.last_timing)
         row["speedup_b16_vs_passthrough"] = round(row["microbatch_b16_img_s"] / row["passthrough_b1_img_s"], 2)
         res[name] = row
         log(f"encode {name}: {row}")

@@ -77,3 +77,63 @@ def test_stage_loading_reads_only_its_weights(model_dirs: dict[str, Path]) -> No
     assert len(enc.model.language_model.layers) == 0 and len(lm.model.language_model.layers) == 2
     assert n_params(enc.model.vision_tower) > 3 * n_params(lm.model.vision_tower)  # lm: the tower at depth 0
     assert n_params(lm.model.language_model) > 100 * n_params(enc.model.language_model)
+
+
+def test_slot_decode_attention_equals_transformers_sdpa_with_repeated_kv() -> None:
+    """The grouped-query fold reads each KV head once and computes what repeat_kv + SDPA computes."""
+    import types
+
+    import torch
+    from easerve_runtime.engines.hf import slot_decode_attention
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    module = types.SimpleNamespace(num_key_value_groups=4, is_causal=True)
+    n, kv_heads, length, d = 3, 2, 40, 16
+    q = torch.randn(n, kv_heads * 4, 1, d)
+    k, v = torch.randn(n, kv_heads, length, d), torch.randn(n, kv_heads, length, d)
+    pos = torch.tensor([5, 20, 39])
+    mask = (torch.arange(length)[None] <= pos[:, None])[:, None, None, :]
+    ours, _ = slot_decode_attention(module, q, k, v, mask, scaling=0.25)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=0.25)
+    assert ours.shape == ref.shape == (n, 1, kv_heads * 4, d)
+    torch.testing.assert_close(ours, ref)
+
+
+def test_kv_bucket_covers_the_longest_row_and_caps_at_the_slot() -> None:
+    from easerve_runtime.engines.hf import kv_bucket
+
+    assert kv_bucket(1, 4096) == 256
+    assert kv_bucket(257, 4096) == 512
+    assert kv_bucket(2049, 4096) == 4096
+    assert kv_bucket(2049, 2304) == 2304
+
+
+def test_decode_engine_uses_the_slot_attention(model_dirs: dict[str, Path]) -> None:
+    from easerve_runtime.engines.hf import SLOT_ATTENTION, HFDecodeEngine
+
+    eng = HFDecodeEngine(model_dirs["llava-next"], max_len=64, max_slots=2)
+    layer = eng.model.model.language_model.layers[0].self_attn
+    assert layer.config._attn_implementation == SLOT_ATTENTION
+
+
+def test_batched_anyres_preprocessing_equals_the_library_per_image(tmp_path: Path) -> None:
+    """Same-size images through the processor's own steps at once give the library's exact tensors."""
+    pytest.importorskip("torchvision")
+    import torch
+    from easerve_runtime.engines.hf import batch_image_processor
+    from easerve_runtime.models.init import init_model
+    from easerve_runtime.models.loading import load_processor
+
+    d = init_model("llava-next", tmp_path / "m", size="7b", weights=False)
+    lib, ours = load_processor(d, False), load_processor(d, False)
+    if not batch_image_processor(ours):
+        pytest.skip("not the torchvision LLaVA-NeXT processor")
+    g = torch.Generator().manual_seed(0)
+    shapes = [(3, 200, 360), (3, 120, 200), (3, 200, 360), (3, 90, 60), (3, 200, 360)]
+    imgs = [torch.randint(0, 256, s, dtype=torch.uint8, generator=g) for s in shapes]
+    texts = ["<image> hi"] * len(imgs)
+    a = lib(text=texts, images=imgs, return_tensors="pt", padding=True, device="cpu")
+    b = ours(text=texts, images=imgs, return_tensors="pt", padding=True, device="cpu")
+    for key in ("input_ids", "pixel_values", "image_sizes"):
+        assert torch.equal(a[key], b[key]), key

@@ -82,7 +82,9 @@ class Embedding:
     """
 
     request_id: str
-    data: bytes
+    data: bytes | memoryview
+    """Bytes, or a read-only view of a host buffer (a GPU engine copies a micro-batch's rows to the
+    host once and hands out views, rather than one more host copy per request)."""
     shape: tuple[int, ...]
     dtype: str
     extra: Mapping[str, Any] = field(default_factory=dict)

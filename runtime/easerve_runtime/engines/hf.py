@@ -92,6 +92,16 @@ def _to_bytes(t: Any) -> bytes:
     return bytes(t.numpy().tobytes())
 
 
+def _host_view(t: Any) -> np.ndarray[Any, Any]:
+    """A numpy view (no copy) of a contiguous CPU tensor's bytes; bfloat16 as raw 2-byte values."""
+    import torch
+
+    t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return np.asarray(t.numpy())
+
+
 def _from_bytes(data: bytes | memoryview, dtype: str, shape: Sequence[int]) -> Any:
     import torch
 
@@ -165,6 +175,69 @@ def gpu_decode_jpegs(parts: Sequence[MediaPart], device: str) -> list[Any] | Non
         return None
 
 
+def _llava_next_preprocess_batched(self: Any, images: list[Any], do_resize: bool, size: Any,
+                                   image_grid_pinpoints: list[list[int]], resample: Any, do_center_crop: bool,
+                                   crop_size: Any, do_rescale: bool, rescale_factor: float, do_normalize: bool,
+                                   image_mean: Any, image_std: Any, do_pad: bool | None, disable_grouping: bool | None,
+                                   return_tensors: Any, **kwargs: Any) -> Any:
+    """``LlavaNextImageProcessor._preprocess`` over same-size images at once (bound to one processor instance).
+
+    Why: the library's torchvision processor runs its anyres steps (resize to the best grid, pad,
+    cut into crops, resize the overview, crop, normalize) one image at a time, a dozen small
+    kernels and their Python per image, which cost more than the CLIP tower on an H200 and made a
+    micro-batch of 16 no faster per image than 8. A micro-batch's images mostly share a size
+    (same camera, same upload path); those go through the SAME processor methods once, stacked
+    ``[N, C, H, W]`` (each op is per image, so the values are the library's). Images of other
+    sizes form their own groups. Output layout is the library's: ``pixel_values`` padded to the
+    most crops, ``image_sizes`` per image in input order.
+    """
+    import torch
+    from transformers.image_processing_utils import BatchFeature
+    from transformers.image_transforms import group_images_by_shape, reorder_images
+
+    size_tuple = (size.height, size.width) if size and size.height and size.width else (size.shortest_edge,) * 2
+    patch = crop_size.height if crop_size and crop_size.height else (size.height or size.shortest_edge)
+    mean = tuple(image_mean) if isinstance(image_mean, list) else image_mean
+    std = tuple(image_std) if isinstance(image_std, list) else image_std
+    by_size: dict[tuple[int, ...], list[int]] = {}
+    for i, im in enumerate(images):
+        by_size.setdefault(tuple(im.shape), []).append(i)
+    per_image: list[Any] = [None] * len(images)
+    for idx in by_size.values():
+        stack = torch.stack([images[i] for i in idx])  # [N, C, H, W]
+        crops = self._get_image_patches(stack, image_grid_pinpoints, size=size_tuple, patch_size=patch,
+                                        resample=resample)  # [overview, crop...], each [N, C, h, w]
+        grouped, index = group_images_by_shape(crops, disable_grouping=disable_grouping)
+        done = {}
+        for shape, x in grouped.items():  # x: [P, N, C, h, w]
+            p_, n_ = x.shape[:2]
+            x = x.flatten(0, 1)
+            if do_resize:
+                x = self.resize(image=x, size=size, resample=resample)
+            if do_center_crop:
+                x = self.center_crop(x, crop_size)
+            x = self.rescale_and_normalize(x, do_rescale, rescale_factor, do_normalize, mean, std)
+            done[shape] = x.unflatten(0, (p_, n_))
+        out = torch.stack(reorder_images(done, index), dim=1)  # [N, P, C, h, w]
+        for j, i in enumerate(idx):
+            per_image[i] = out[j]
+    sizes = [[int(im.shape[-2]), int(im.shape[-1])] for im in images]
+    if do_pad:
+        per_image = self._pad_for_batching(per_image)
+    return BatchFeature(data={"pixel_values": per_image, "image_sizes": sizes}, tensor_type=return_tensors)
+
+
+def batch_image_processor(processor: Any) -> bool:
+    """Give this processor instance the same-size batched anyres step, where it is LLaVA-NeXT's torchvision one."""
+    import types
+
+    ip = getattr(processor, "image_processor", None)
+    if ip is None or type(ip).__name__ != "LlavaNextImageProcessor" or not hasattr(ip, "_get_image_patches"):
+        return False
+    ip._preprocess = types.MethodType(_llava_next_preprocess_batched, ip)
+    return True
+
+
 def media_to_messages(messages: Sequence[Mapping[str, Any]], parts: Sequence[MediaPart]) -> list[dict[str, Any]]:
     """The chat for the template: placeholders in order; a request without messages gets one user turn."""
     if messages:
@@ -208,9 +281,13 @@ class HFEncodeEngine(_Stage):
         from easerve_runtime.models.loading import load_processor
 
         self.processor = load_processor(path, trust_remote_code)
+        self.batched_preprocess = batch_image_processor(self.processor)
         self.gpu_decode = True
         self.last_path = ""
         """How the last micro-batch was preprocessed: ``gpu`` (nvJPEG + processor on CUDA) or ``cpu``."""
+        self.profile = False
+        """Benchmarks: synchronize between phases and record their times in ``last_timing`` (ms)."""
+        self.last_timing: dict[str, float] = {}
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
         return sum(len(r.parts) for r in batch)
@@ -223,7 +300,17 @@ class HFEncodeEngine(_Stage):
         ]
 
     def _encode_sync(self, batch: Sequence[EncodeInput]) -> list[Embedding]:
+        import time
+
         import torch
+
+        marks = [("start", time.perf_counter())]
+
+        def mark(name: str) -> None:
+            if self.profile:
+                if str(self.device).startswith("cuda"):
+                    torch.cuda.synchronize()
+                marks.append((name, time.perf_counter()))
 
         texts = self._prompts(batch)
         kind = "audio" if self.family == "qwen2_audio" else "image"
@@ -236,6 +323,7 @@ class HFEncodeEngine(_Stage):
         if parts and kind == "image":
             imgs = gpu_decode_jpegs(parts, self.device) if self.gpu_decode else None
             kw["images"] = imgs if imgs is not None else [decode_image(p) for p in parts]
+            mark("decode_media")
             if imgs is not None:
                 kw["device"] = self.device  # the processor's torchvision backend works on the CUDA tensors
         elif parts:
@@ -251,27 +339,54 @@ class HFEncodeEngine(_Stage):
             kw["images"] = [decode_image(p) for p in parts]
             enc = self.processor(**kw)
         self.last_path = "gpu" if "device" in kw else "cpu"
-        ids_all = enc["input_ids"]
-        mask_all = enc["attention_mask"]
+        mark("processor")
+        ids_all = enc["input_ids"].cpu()
+        mask_all = enc["attention_mask"].cpu().bool()
         with torch.inference_mode():
             feats = self._features(enc) if parts else []
+            mark("tower")
+            # one device->host copy for the whole micro-batch (pinned, on a GPU), then per-request views:
+            # a pageable .cpu() per request plus a bytes copy cost ~24 MB x 2 host copies per 1080p image
+            host, offsets = self._rows_to_host(feats)
         out: list[Embedding] = []
         item = 0
         for i, r in enumerate(batch):
-            ids = ids_all[i][mask_all[i].bool()].tolist()
-            rows = feats[item : item + len(r.parts)]
+            ids = ids_all[i][mask_all[i]].tolist()
+            first, last = offsets[item], offsets[item + len(r.parts)]
             item += len(r.parts)
-            mm = int(sum(int(t == self.loaded.mm_token_id) for t in ids))
-            if rows:
-                t = torch.cat(rows).contiguous()
-                if t.shape[0] != mm:
-                    raise RuntimeError(f"request {r.request_id}: {t.shape[0]} embedding rows for {mm} placeholders")
-                data, shape, dtype = _to_bytes(t), tuple(t.shape), str(t.dtype).removeprefix("torch.")
+            mm = ids.count(self.loaded.mm_token_id)
+            if r.parts:
+                if last - first != mm:
+                    raise RuntimeError(f"request {r.request_id}: {last - first} embedding rows for {mm} placeholders")
+                assert host is not None
+                rows = host[first:last]
+                data: bytes | memoryview = memoryview(_host_view(rows)).cast("B")
+                shape, dtype = tuple(rows.shape), str(rows.dtype).removeprefix("torch.")
             else:
                 data, shape, dtype = b"", (0, 0), "float32"
             out.append(Embedding(r.request_id, data, shape, dtype,
                                  extra={"input_ids": ids, "text_tokens": len(ids) - mm}))
+        mark("to_host")
+        if self.profile:
+            self.last_timing = {n: round(1e3 * (t - marks[i][1]), 2) for i, (n, t) in enumerate(marks[1:])}
         return out
+
+    def _rows_to_host(self, feats: Sequence[Any]) -> tuple[Any, list[int]]:
+        """All items' rows in one host tensor (one copy, pinned on a GPU) and each item's first row."""
+        import torch
+
+        offsets = [0]
+        for f in feats:
+            offsets.append(offsets[-1] + int(f.shape[0]))
+        if not feats:
+            return None, offsets
+        rows = torch.cat(list(feats)) if len(feats) > 1 else feats[0]
+        if rows.device.type != "cuda":
+            return rows.contiguous(), offsets
+        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+        host.copy_(rows, non_blocking=True)
+        torch.cuda.current_stream(rows.device).synchronize()
+        return host, offsets
 
     def _features(self, enc: Any) -> list[Any]:
         """Per media item, its embedding rows in prompt order, from the model's own code."""
@@ -383,20 +498,69 @@ class HFPrefillEngine(_Stage):
         return await asyncio.to_thread(self._prefill_sync, batch, sm_share)
 
 
+SLOT_ATTENTION = "easerve_slot_sdpa"
+
+
+def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any,
+                          dropout: float = 0.0, scaling: float | None = None, **kwargs: Any) -> tuple[Any, None]:
+    """transformers' SDPA attention, with grouped-query decode folded so K/V are read once, never copied.
+
+    Why: with an explicit mask (which a step over mixed lengths needs), transformers' SDPA path
+    cannot use ``enable_gqa`` and calls ``repeat_kv``: every step materializes each slot's K and V
+    ``num_key_value_groups`` times over the whole slot length (4x for Mistral-7B: ~5 GB written
+    and read per layer at batch 128, context 2304), which made a decode step ~12x slower than
+    the static-cache reference at large batch. For one query token per sequence, the query heads
+    that share a KV head are just more query rows of that head: ``[n, kv_heads, groups, d]``
+    attends to ``[n, kv_heads, L, d]`` under the same per-row mask, which is the same
+    computation. Anything else (prefill, no mask, no GQA) goes to transformers' own SDPA.
+    """
+    import torch
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = int(getattr(module, "num_key_value_groups", 1))
+    if query.shape[2] != 1 or groups == 1 or attention_mask is None or dropout:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    n, heads, _, d = query.shape
+    kv_heads = key.shape[1]
+    q = query.reshape(n, kv_heads, groups, d)  # query head h uses KV head h // groups (repeat_kv's order)
+    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(n, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+def _register_slot_attention() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(SLOT_ATTENTION, slot_decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(SLOT_ATTENTION, sdpa_mask)
+
+
+def kv_bucket(need: int, max_len: int) -> int:
+    """The attended K/V length for a step whose longest row needs ``need`` positions: a power of
+    two from 256, capped at the slot length, so short contexts do not read (and CUDA graphs are
+    captured per bucket, not per length)."""
+    b = 256
+    while b < need:
+        b *= 2
+    return min(b, max_len)
+
+
 class SlotCache:
     """The ``past_key_values`` object of one decode step over slots ``rows`` (transformers calls ``update``).
 
     Each row writes its new key/value at its own position ``pos[row]`` and gets back the slot's
-    full ``max_len`` keys/values; the 4-D mask passed with it hides what lies past each prefix.
+    first ``kv_len`` keys/values (a bucket covering the longest row, not the whole slot); the 4-D
+    mask passed with it hides what lies past each prefix.
     """
 
     is_compileable = False
 
-    def __init__(self, keys: list[Any], values: list[Any], n: int, pos: Any) -> None:
+    def __init__(self, keys: list[Any], values: list[Any], n: int, pos: Any, kv_len: int | None = None) -> None:
         import torch
 
-        self.keys = [k[:n] for k in keys]
-        self.values = [v[:n] for v in values]
+        self.keys = [k[:n, :, :kv_len] for k in keys]
+        self.values = [v[:n, :, :kv_len] for v in values]
         self.pos = pos
         self.rows = torch.arange(n, device=pos.device)
 
@@ -419,6 +583,8 @@ class HFDecodeEngine(_Stage):
         super().__init__(path, "lm", device, dtype, random_weights, trust_remote_code)
         import torch
 
+        _register_slot_attention()
+        self.model.model.language_model.config._attn_implementation = SLOT_ATTENTION
         tc = self.loaded.text_config
         self.layers = int(tc.num_hidden_layers)
         self.kv_heads = int(getattr(tc, "num_key_value_heads", None) or tc.num_attention_heads)
@@ -435,7 +601,7 @@ class HFDecodeEngine(_Stage):
         self.length: dict[str, int] = {}
         self.sampling: dict[str, Sampling | None] = {}
         self.cuda_graphs = device.startswith("cuda") if cuda_graphs is None else cuda_graphs
-        self._graphs: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._graphs: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
         self.kv_bytes_in = 0
 
     def _slots(self, fraction: float, max_slots: int | None) -> int:
@@ -513,14 +679,15 @@ class HFDecodeEngine(_Stage):
                 self.v[i][slot, :, :n] = self.v[i][last, :, :n]
             self.slot_of[mover] = slot
 
-    def _forward(self, ids: Any, pos: Any, n: int) -> Any:
-        """Logits of one step over slots 0..n-1 (ids/pos indexed by slot)."""
+    def _forward(self, ids: Any, pos: Any, n: int, kv_len: int | None = None) -> Any:
+        """Logits of one step over slots 0..n-1 (ids/pos indexed by slot), attending to ``kv_len`` positions."""
         import torch
 
+        kv_len = kv_len or self.max_len
         lm = self.model.model.language_model
-        steps = torch.arange(self.max_len, device=ids.device)
+        steps = torch.arange(kv_len, device=ids.device)
         mask = (steps[None, :] <= pos[:, None])[:, None, None, :]
-        cache = SlotCache(self.k, self.v, n, pos)
+        cache = SlotCache(self.k, self.v, n, pos, kv_len)
         emb = lm.get_input_embeddings()(ids[:, None])
         h = lm(inputs_embeds=emb, position_ids=pos[:, None], attention_mask=mask, past_key_values=cache,
                use_cache=True).last_hidden_state
@@ -532,18 +699,18 @@ class HFDecodeEngine(_Stage):
             b *= 2
         return min(b, self.slots)
 
-    def _graph_logits(self, ids: Any, pos: Any, n: int) -> Any:
-        """CUDA-graph replay of the step for the bucket >= n (captured on first use)."""
+    def _graph_logits(self, ids: Any, pos: Any, n: int, kv_len: int) -> Any:
+        """CUDA-graph replay of the step for the (batch bucket >= n, K/V length bucket) pair (captured on first use)."""
 
         b = self._bucket(n)
-        if b not in self._graphs:
+        if (b, kv_len) not in self._graphs:
             try:
-                self._capture(b)
+                self._capture(b, kv_len)
             except Exception as exc:  # a model whose step cannot be captured still decodes, eagerly
                 log.warning("decode: CUDA graph capture failed (%r); decoding eagerly", exc)
                 self.cuda_graphs = False
-                return self._forward(ids, pos, n)
-        g, st = self._graphs[b]
+                return self._forward(ids, pos, n, kv_len)
+        g, st = self._graphs[(b, kv_len)]
         st["ids"].zero_()
         st["pos"].zero_()  # padding rows (free slots) write at position 0 of a free slot: harmless
         st["ids"][:n] = ids
@@ -551,7 +718,7 @@ class HFDecodeEngine(_Stage):
         g.replay()
         return st["out"][:n]
 
-    def _capture(self, b: int) -> None:
+    def _capture(self, b: int, kv_len: int) -> None:
         """Capture the step over slots 0..b-1 with static ids/positions (warm-up on a side stream first)."""
         import torch
 
@@ -561,12 +728,12 @@ class HFDecodeEngine(_Stage):
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self._forward(st["ids"], st["pos"], b)
+                self._forward(st["ids"], st["pos"], b, kv_len)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
-            st["out"] = self._forward(st["ids"], st["pos"], b)
-        self._graphs[b] = (g, st)
+            st["out"] = self._forward(st["ids"], st["pos"], b, kv_len)
+        self._graphs[(b, kv_len)] = (g, st)
 
     def _step_sync(self, batch: Sequence[DecodeSequence]) -> list[int]:
         import torch
@@ -579,9 +746,12 @@ class HFDecodeEngine(_Stage):
             by_slot[self.slot_of[s.request_id]] = s
         seqs = [s for s in by_slot if s is not None]
         ids = torch.tensor([s.generated[-1] for s in seqs], device=self.device)
-        pos = torch.tensor([self.length[s.request_id] for s in seqs], device=self.device)
+        lengths = [self.length[s.request_id] for s in seqs]
+        pos = torch.tensor(lengths, device=self.device)
+        kv_len = kv_bucket(max(lengths) + 1, self.max_len)
         with torch.inference_mode():
-            logits = self._graph_logits(ids, pos, n) if self.cuda_graphs else self._forward(ids, pos, n)
+            logits = (self._graph_logits(ids, pos, n, kv_len) if self.cuda_graphs
+                      else self._forward(ids, pos, n, kv_len))
             greedy = logits.argmax(-1).tolist()  # one device sync for every greedy row
             hot = [row for row, s in enumerate(seqs) if (self.sampling[s.request_id] or Sampling(0.0)).temperature > 0]
             rows = logits[hot].float().cpu() if hot else None
