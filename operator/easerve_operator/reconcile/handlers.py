@@ -25,7 +25,7 @@ import json
 import logging
 import threading
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -47,6 +47,7 @@ from easerve_operator.reconcile import metrics
 from easerve_operator.reconcile.drift import drifted
 from easerve_operator.reconcile.kube import Kube
 from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
+from easerve_operator.reconcile.defaults import OperatorDefaults, with_operator_defaults
 from easerve_operator.render import render_children
 
 MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}
@@ -70,6 +71,7 @@ class Options:
     webhook_key: str | None = None
     webhook_managed: str = "easerve.io"
     worker_limit: int = 0  # 0: unlimited (fastest); see --worker-limit
+    defaults: OperatorDefaults = field(default_factory=OperatorDefaults)  # filled into specs before render
 
 
 OPTIONS = Options()
@@ -237,6 +239,8 @@ def _desired(
     hit = _RENDER_CACHE.get(key)
     if hit is None:
         spec, errors = _parse(raw_spec)
+        if spec is not None:
+            spec = with_operator_defaults(spec, OPTIONS.defaults)
         desired = render_children(name, namespace, uid, spec) if spec is not None else []
         if len(_RENDER_CACHE) >= _RENDER_CACHE_SIZE:  # small: rendering costs ~0.3 ms, memory is dearer
             _RENDER_CACHE.pop(next(iter(_RENDER_CACHE)))

@@ -7,7 +7,7 @@ pod has three containers sharing a memory-backed ``/dev/shm``:
 
 - ``omni-shared``: the HTTP front door and the shared stage, driven by the omni scheduler; it
   requests the pod's one GPU;
-- ``omni-downstream``: the downstream stage on the same GPU (through ``NVIDIA_VISIBLE_DEVICES``);
+- ``omni-downstream``: the downstream stage on the same GPU (no device of its own is requested; never ``NVIDIA_VISIBLE_DEVICES=all``);
 - ``partition-controller``: applies the shared stage's SM cap (BandwidthThrottle) each step.
 
 ``gpuBudget`` pods (one GPU each) sit behind one Service. Pure: dicts in, dicts out.
@@ -102,7 +102,7 @@ def render_omni(
         raise ValueError(f"spec.mode: render_omni needs omni-colocated, got {spec.mode}")
     if spec.omni is None:
         raise ValueError("spec.omni: is required when spec.mode is omni-colocated")
-    share = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]
+    share: list[dict[str, Any]] = []  # never NVIDIA_VISIBLE_DEVICES=all: only requested devices
     worker = ["easerve", "worker", "--config", CONFIG_PATH, "--stage"]
     containers = [
         _container(

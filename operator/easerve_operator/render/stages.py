@@ -190,10 +190,10 @@ def _pod_spec(config: RuntimeConfig, stage: str, alloc: StageAllocation) -> dict
     containers: list[dict[str, Any]]
     if stage == "encode":
         colocated = spec.has_local_prefill
-        # The GPU is requested once, by the encode container; co-located sidecars reach the same
-        # device through the NVIDIA container runtime (NVIDIA_VISIBLE_DEVICES) and split its SMs
-        # through the shared-memory control record in /dev/shm.
-        share = [{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}] if colocated else []
+        # The GPU is requested once, by the encode container; co-located sidecars split its SMs
+        # through the shared-memory control record in /dev/shm. They get no device of their own:
+        # never NVIDIA_VISIBLE_DEVICES=all (that exposes every GPU of the node to the pod).
+        share: list[dict[str, Any]] = []
         containers = [
             _container(
                 config,

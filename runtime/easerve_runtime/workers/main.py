@@ -29,9 +29,11 @@ from easerve_runtime.workers.dynamo_rt import (
     DEFAULT_SYSTEM_PORT,
     default_local_key,
     endpoint_path,
+    dynamo_env,
     install_stop_handlers,
     local_prefill_component,
     make_runtime,
+    wait_for_discovery,
 )
 from easerve_runtime.workers.pool import Pool
 
@@ -88,6 +90,10 @@ async def run_stage(
         raise ValueError(f"--stage: unknown stage {stage!r} (one of {', '.join(STAGES)})")
     if stage != "frontend":
         os.environ.setdefault("DYN_SYSTEM_PORT", str(DEFAULT_SYSTEM_PORT))
+    # Discovery first: a worker that cannot reach it says so (log + not-ready probe) and retries.
+    probe_port = port if stage == "frontend" else int(os.environ["DYN_SYSTEM_PORT"])
+    probe_host = host if stage == "frontend" else os.environ.get("DYN_SYSTEM_HOST", "0.0.0.0")
+    await wait_for_discovery({**os.environ, **dynamo_env(cfg, discovery)}, probe_port, probe_host)
     runtime = make_runtime(cfg, discovery)
     stop = asyncio.Event()
     install_stop_handlers(stop.set)
