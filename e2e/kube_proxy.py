@@ -187,7 +187,7 @@ class KubeProxy:
             for i in range(len(targets)):
                 host, port = targets[(start + i) % len(targets)]
                 try:
-                    up = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
+                    up = await asyncio.wait_for(asyncio.open_connection(host, port), 10)
                     break
                 except (OSError, TimeoutError):
                     self.connect_failures += 1

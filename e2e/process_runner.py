@@ -66,9 +66,10 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 log = logging.getLogger("kubelet_harness.processes")
 
@@ -80,6 +81,7 @@ BACKOFF_RESET_S = 600.0
 GPU_RESOURCE = "nvidia.com/gpu"
 POD_IP_ENV = "EASERVE_HARNESS_POD_IP"
 """Read by e2e/harness_site/sitecustomize.py: the address a wildcard bind is turned into."""
+POD_KEY_ENV = "EASERVE_HARNESS_POD"
 
 
 def _now() -> str:
@@ -556,6 +558,7 @@ class ProcessRunner:
             "KUBERNETES_SERVICE_PORT_HTTPS": self.api_port,
             # the pod network (see the module docstring)
             POD_IP_ENV: run.ip,
+            POD_KEY_ENV: f"{run.namespace}/{run.name}",  # lets tests find every process of a pod in /proc
             "DYN_SYSTEM_HOST": run.ip,
             "DYN_TCP_RPC_HOST": run.ip,
             "DYN_TCP_RESPONSE_STREAM_HOST": run.ip,
@@ -650,6 +653,18 @@ class ProcessRunner:
     @staticmethod
     def _mount_wrapper(mounts: list[tuple[Path, dict[str, Any]]], argv: list[str]) -> list[str]:
         lines = ["set -e"]
+
+        def under(path: str, top: str) -> bool:
+            top = top.rstrip("/") or "/"
+            return path == top or path.startswith(top + "/")
+
+        # a mount whose target covers another mount's source (an emptyDir at /tmp over a harness root
+        # in /tmp) goes last, or that source would be hidden; parents before children otherwise
+        sources = [str(src) for src, _ in mounts]
+        mounts = sorted(
+            mounts,
+            key=lambda sm: (any(under(x, sm[1]["mountPath"]) for x in sources), sm[1]["mountPath"].count("/")),
+        )
         for src, m in mounts:
             dst = m["mountPath"]
             s = src / m["subPath"] if m.get("subPath") else src

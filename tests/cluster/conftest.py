@@ -41,6 +41,11 @@ SIM_SPEEDUP = "8"
 ratios stay, the wall time shrinks. Token counts do not depend on it."""
 
 
+OPERATOR_NS_PREFIX = "pods"
+"""The fixture's operator watches namespaces ``pods-*`` (kopf glob) only, so an operator that a test
+installs with the chart (in another namespace) never competes with it."""
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if "pods_cluster" in getattr(item, "fixturenames", ()):
@@ -87,11 +92,18 @@ class PodsCluster:
     def proxy(self) -> Any:
         return self.cluster.proxy
 
+    def runner_env(self, namespace: str, key: str) -> dict[str, str]:
+        """The environment of a running container process, ``key`` = ``ns/pod/container``."""
+        pid = self.runner.pids(namespace)[key]
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+
     def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
         return self.cluster.kubectl(*args, **kw)
 
-    def namespace(self, prefix: str = "pods") -> str:
-        return str(self.cluster.namespace(prefix))
+    def namespace(self, prefix: str = "") -> str:
+        """A fresh namespace; watched by the fixture's operator unless `prefix` is given."""
+        return str(self.cluster.namespace(prefix or OPERATOR_NS_PREFIX))
 
     def apply_example(self, path: Path, namespace: str, **env: str) -> str:
         """Apply an example EPDDeployment (with ``spec.pod.env`` added) into `namespace`; returns its name."""
@@ -103,6 +115,13 @@ class PodsCluster:
         r = self.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
         assert r.returncode == 0, r.stderr
         return str(doc["metadata"]["name"])
+
+    def delete_namespace_and_wait(self, namespace: str, timeout: float = 90) -> None:
+        """Delete a namespace and wait until the harness has stopped all of its processes."""
+        self.cluster.delete_namespace(namespace)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and harness_processes(self.runner.ips.octet, namespace):
+            time.sleep(0.3)
 
     def epd(self, namespace: str, name: str) -> dict[str, Any]:
         r = self.kubectl("get", "epd", name, "-n", namespace, "-o", "json")
@@ -184,6 +203,7 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1"}
         op = subprocess.Popen(
             [sys.executable, "-m", "easerve_operator.cli", "operator", "--metrics-port", "0",
+             "--namespace", f"{OPERATOR_NS_PREFIX}-*",
              "--health-port", str(health), "--bind", "127.0.0.1",
              "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)],
             stdout=(work / "operator.log").open("wb"), stderr=subprocess.STDOUT, env=env,
@@ -203,12 +223,14 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         cluster.stop(purge=True)
 
 
-def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeout_s: float = 90.0) -> list[Any]:
+def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeout_s: float = 180.0) -> list[Any]:
     """``n`` multimodal requests of the example's workload at ``rate``/s, open loop, through ``url``.
 
     Each request has its own deadline (`timeout_s`): a request that hangs shows up as a
-    ``TimeoutError`` outcome instead of stalling the test. Returns the `Outcome`s (record, expected
-    token count, tokens)."""
+    ``TimeoutError`` outcome instead of stalling the test. Each request opens its own connection
+    (``force_close``): a Service balances connections, not requests, so a kept-alive connection
+    would stay pinned to a pod after it started terminating (kube-proxy behaves the same).
+    Returns the `Outcome`s (record, expected token count, tokens)."""
     import asyncio
 
     import aiohttp
@@ -222,7 +244,7 @@ def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeo
 
     async def main() -> list[Any]:
         timeout = aiohttp.ClientTimeout(total=timeout_s)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as s:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout) as s:
             model = await fetch_model(s, url)
             bodies = [chat_body(r, model, stream=True) for r in reqs]
             t0 = time.monotonic()
@@ -235,3 +257,20 @@ def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeo
             return list(await asyncio.gather(*tasks))
 
     return asyncio.run(main())
+
+
+def harness_processes(octet: int, namespace: str | None = None) -> list[int]:
+    """Every process on this machine started by a ProcessRunner with this pod octet (read from
+    /proc: the runner's own table could miss a leak), optionally only those of one namespace."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        mine = any(e.startswith(f"EASERVE_HARNESS_POD_IP=127.{octet}.".encode()) for e in env)
+        if mine and (namespace is None or any(e.startswith(f"EASERVE_HARNESS_POD={namespace}/".encode()) for e in env)):
+            out.append(int(d.name))
+    return out

@@ -44,10 +44,10 @@ from kubernetes.client.exceptions import ApiException
 from pydantic import ValidationError
 
 from easerve_operator.reconcile import metrics
+from easerve_operator.reconcile.defaults import OperatorDefaults, with_operator_defaults
 from easerve_operator.reconcile.drift import drifted
 from easerve_operator.reconcile.kube import Kube
 from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
-from easerve_operator.reconcile.defaults import OperatorDefaults, with_operator_defaults
 from easerve_operator.render import render_children
 
 MANAGED = {"app.kubernetes.io/managed-by": "easerve-operator"}

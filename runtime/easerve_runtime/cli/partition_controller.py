@@ -78,6 +78,18 @@ def _apply_config(args: argparse.Namespace) -> object | None:
         args.policy = {"dynamic": "encode-batch-split", "static": "static"}.get(mode, "none")
     if args.static_sms is None and part.static_encode_sms is not None:
         args.static_sms = part.static_encode_sms
+    if args.policy == "bandwidth-throttle" and str(cfg.spec.mode) == "omni-colocated":
+        # the omni profile carries the throttle's ladder, S_aggr, b_sat and the GPU's SM count: without
+        # them (no NVML, no flags) the controller could not start (it exited 2 in the omni pod)
+        from easerve_runtime.omni.profile import load_omni_profile
+
+        op = load_omni_profile(cfg.spec.engine.profile)
+        t = op.throttle
+        args.ladder = args.ladder or [int(x) for x in t["ladder"]]
+        args.s_aggr = args.s_aggr or int(t["s_aggr"])
+        args.total_sms = args.total_sms or _total_sms(args.gpu) or op.total_sms
+        if "b_sat" in t and args.b_sat == 60.0:
+            args.b_sat = float(t["b_sat"])
     if args.policy != "encode-batch-split" or args.table is not None:
         return None
     from easerve_runtime.profiles import load_profile
