@@ -38,7 +38,8 @@ kubelet's pod workers, so the pod specs the operator renders are really executed
   back-off of ``backoff_s`` doubling per crash up to 300 s (reset after 10 minutes up), as a kubelet
   does. Container statuses carry restartCount, state (running / waiting CrashLoopBackOff /
   terminated) and lastState.terminated with the exit code (a signal N reads as 128+N).
-* **stop**: SIGTERM to each container's process group, the pod's grace period, then SIGKILL. Every
+* **stop**: the ``lifecycle.preStop`` hook (exec or httpGet) if any, SIGTERM to each container's
+  process group, the rest of the pod's grace period, then SIGKILL. Every
   container leads its own process group and has PR_SET_PDEATHSIG=SIGKILL towards the supervising
   thread, so no process outlives its pod, its namespace, or the harness (even a harness killed -9).
 
@@ -726,7 +727,24 @@ class ProcessRunner:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(p.pid, sig)
 
-    def _kill_container(self, c: Container, grace: float) -> None:
+    def _pre_stop(self, run: PodRun, c: Container, grace: float) -> float:
+        """Run the container's ``lifecycle.preStop`` hook (exec or httpGet), as a kubelet does before
+        SIGTERM, within the grace period; returns the grace left."""
+        hook = ((c.spec.get("lifecycle") or {}).get("preStop")) or {}
+        if not hook or c.proc is None or c.proc.poll() is not None:
+            return grace
+        t0 = time.monotonic()
+        ports = {p["name"]: int(p["containerPort"]) for p in c.spec.get("ports") or [] if p.get("name")}
+        probe = Probe.of({**hook, "timeoutSeconds": max(1.0, grace)}, ports)
+        if probe is not None:
+            ok = probe.check(run.ip, c.env)
+            with open(c.log_path, "ab") as out:
+                out.write(f"--- {_now()} preStop hook {'done' if ok else 'failed'}\n".encode())
+        return max(0.0, grace - (time.monotonic() - t0))
+
+    def _kill_container(self, c: Container, grace: float, run: PodRun | None = None) -> None:
+        if run is not None:
+            grace = self._pre_stop(run, c, grace)
         self._signal(c, signal.SIGTERM)
         p = c.proc
         if p is None:
@@ -848,7 +866,7 @@ class ProcessRunner:
         killed = threading.Event()
         run._killed = killed  # type: ignore[attr-defined]
         run.stop.set()
-        ts = [threading.Thread(target=self._kill_container, args=(c, grace), daemon=True) for c in run.containers]
+        ts = [threading.Thread(target=self._kill_container, args=(c, grace, run), daemon=True) for c in run.containers]
         for t in ts:
             t.start()
         for t in ts:

@@ -54,8 +54,8 @@ def test_helm_install_then_requests_through_the_service(pods_cluster: PodsCluste
     finally:
         c.kubectl("delete", "epd", "--all", "-n", ns, "--wait=true", "--timeout=60s")
         c.cluster.helm("uninstall", "easerve", "--namespace", ns, "--wait", "--timeout", "120s")
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and c.runner.pids(ns):
+    deadline = time.monotonic() + 120  # the operator's pod has a 30 s grace period to stop in
+    while time.monotonic() < deadline and harness_processes(c.runner.ips.octet, ns):
         time.sleep(0.5)
     assert not c.runner.pids(ns)
     assert not harness_processes(c.runner.ips.octet, ns)

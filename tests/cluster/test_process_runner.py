@@ -9,6 +9,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import yaml
+
 from .conftest import PodsCluster, harness_processes
 
 
@@ -33,7 +35,7 @@ def _pod(name: str, script: str, **spec: Any) -> dict[str, Any]:
 
 
 def _apply(c: PodsCluster, ns: str, *objs: dict[str, Any]) -> None:
-    r = c.kubectl("apply", "-n", ns, "-f", "-", input="\n---\n".join(json.dumps(o) for o in objs))
+    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump_all(objs))
     assert r.returncode == 0, r.stderr
 
 
@@ -94,7 +96,8 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(pods_cluster
     stubborn = _pod("stubborn", "trap 'echo got TERM' TERM; echo up; while true; do sleep 0.2; done",
                     terminationGracePeriodSeconds=2)
     polite = _pod("polite", "trap 'echo bye; exit 0' TERM; echo up; while true; do sleep 0.2; done",
-                  terminationGracePeriodSeconds=30)
+                  terminationGracePeriodSeconds=30,
+                  c={"lifecycle": {"preStop": {"exec": {"command": ["sh", "-c", "sleep 0.5"]}}}})
     _apply(c, ns, stubborn, polite)
     for name in ("stubborn", "polite"):
         _wait(lambda name=name: c.runner.pids(ns, name), 60, f"{name} running")
@@ -104,7 +107,9 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(pods_cluster
     assert r.returncode == 0, r.stderr
     assert "got TERM" in c.runner.log_path(ns, "stubborn", "main").read_text()  # TERM first...
     assert "exited with 137" in c.runner.log_path(ns, "stubborn", "main").read_text()  # ...then KILL
-    assert "exited with 0" in c.runner.log_path(ns, "polite", "main").read_text()  # TERM was enough
+    polite_log = c.runner.log_path(ns, "polite", "main").read_text()
+    assert "exited with 0" in polite_log  # TERM was enough
+    assert polite_log.index("preStop hook done") < polite_log.index("bye")  # the hook ran before SIGTERM
     assert not c.runner.pids(ns)
     assert not harness_processes(c.runner.ips.octet, ns)
     assert pids  # they were running
