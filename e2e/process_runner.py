@@ -871,6 +871,12 @@ class ProcessRunner:
             t.start()
         for t in ts:
             t.join(grace + 15)
+        for c in run.containers:
+            p = c.proc
+            if p is not None and p.returncode is not None:
+                code = 128 - p.returncode if p.returncode < 0 else p.returncode
+                with contextlib.suppress(OSError), open(c.log_path, "ab") as out:
+                    out.write(f"--- {_now()} stopped: exited with {code}\n".encode())
         killed.set()
         if run.thread is not None:
             run.thread.join(5)

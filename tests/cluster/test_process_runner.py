@@ -66,9 +66,9 @@ def test_env_volumes_downward_api_and_var_expansion(pods_cluster: PodsCluster) -
     ip = st["podIP"]
     log = c.runner.log_path(ns, "envs", "main")
     _wait(lambda: "made" in log.read_text(), 30, "the script ran")
-    text = log.read_text()
-    assert f"cm=hello sec=s3cret ip={ip} name=envs x=envs-x gpu=" in text
-    gpus = text.split("gpu=")[1].split()[0].split(",")
+    (line,) = [ln for ln in log.read_text().splitlines() if ln.startswith("cm=")]
+    assert line.startswith(f"cm=hello sec=s3cret ip={ip} name=envs x=envs-x gpu=")
+    gpus = line.split("gpu=")[1].split(",")
     assert len(gpus) == 2  # exactly the requested devices
     c.delete_namespace_and_wait(ns)
 
@@ -109,7 +109,7 @@ def test_deletion_sends_sigterm_then_sigkill_after_the_grace_period(pods_cluster
     assert "exited with 137" in c.runner.log_path(ns, "stubborn", "main").read_text()  # ...then KILL
     polite_log = c.runner.log_path(ns, "polite", "main").read_text()
     assert "exited with 0" in polite_log  # TERM was enough
-    assert polite_log.index("preStop hook done") < polite_log.index("bye")  # the hook ran before SIGTERM
+    assert polite_log.index("preStop hook done") < polite_log.index("\nbye\n")  # the hook ran before SIGTERM
     assert not c.runner.pids(ns)
     assert not harness_processes(c.runner.ips.octet, ns)
     assert pids  # they were running
