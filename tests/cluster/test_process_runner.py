@@ -49,8 +49,8 @@ def test_env_volumes_downward_api_and_var_expansion(pods_cluster: PodsCluster) -
     ns = c.namespace("runner")
     cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cfg"}, "data": {"greeting": "hello", "k": "v"}}
     sec = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "sec"}, "stringData": {"token": "s3cret"}}
-    script = ('echo "cm=$(cat /etc/cfg/greeting) sec=$SECRET ip=$MY_IP name=$MY_NAME x=$EXPANDED gpu=$CUDA_VISIBLE_DEVICES"; '
-              'touch /scratch/made; ls /scratch; exec sleep 300')
+    script = ('echo "cm=$(cat /run/easerve-harness-test/cfg/greeting) sec=$SECRET ip=$MY_IP name=$MY_NAME x=$EXPANDED gpu=$CUDA_VISIBLE_DEVICES"; '
+              'touch /run/easerve-harness-test/scratch/made; ls /run/easerve-harness-test/scratch; exec sleep 300')
     pod = _pod("envs", script, c={
         "env": [
             {"name": "SECRET", "valueFrom": {"secretKeyRef": {"name": "sec", "key": "token"}}},
@@ -59,7 +59,7 @@ def test_env_volumes_downward_api_and_var_expansion(pods_cluster: PodsCluster) -
             {"name": "EXPANDED", "value": "$(MY_NAME)-x"},
         ],
         "resources": {"limits": {"nvidia.com/gpu": "2"}},
-        "volumeMounts": [{"name": "cfg", "mountPath": "/etc/cfg"}, {"name": "scratch", "mountPath": "/scratch"}],
+        "volumeMounts": [{"name": "cfg", "mountPath": "/run/easerve-harness-test/cfg"}, {"name": "scratch", "mountPath": "/run/easerve-harness-test/scratch"}],
     }, volumes=[{"name": "cfg", "configMap": {"name": "cfg"}}, {"name": "scratch", "emptyDir": {}}])
     _apply(c, ns, cm, sec, pod)
     st = _wait(lambda: (s := _status(c, ns, "envs")).get("containerStatuses", [{}])[0].get("ready") and s, 60, "ready")

@@ -147,6 +147,8 @@ async def run_stage(
         log.error("%s batch loop died: %r", stage, loop_task.exception())
         rc = 1
     runtime.set_health_status(False)
+    if stage == "local-prefill" and rc == 0:
+        await _stay_discoverable_while_partner_drains(worker)
     runtime.shutdown()  # withdraw discovery, then Dynamo drains in-flight handlers
     try:
         await asyncio.wait_for(serve_task, DRAIN_TIMEOUT_S)
@@ -156,6 +158,32 @@ async def run_stage(
     for t in (loop_task, stop_task):
         t.cancel()
     return rc
+
+
+PARTNER_IDLE_S = 2.0
+
+
+async def _stay_discoverable_while_partner_drains(worker: Any) -> None:
+    """Keep a local prefill worker discoverable until its encode partner has drained.
+
+    Kubernetes sends SIGTERM to every container of a pod at once. The encode worker withdraws from
+    discovery at once (no new requests reach it) but still drains its admitted batches, and those
+    need this pod's local prefill: withdrawing here too would fail them with "no live local prefill
+    instance" during every rolling update. So this worker stays registered (already not-ready) until
+    it has had no work for ``PARTNER_IDLE_S``, or the drain deadline passes.
+    """
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    idle_since: float | None = None
+    while time.monotonic() < deadline:
+        busy = bool(getattr(worker, "inflight", 0))
+        now = time.monotonic()
+        if busy:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= PARTNER_IDLE_S:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _run_frontend(

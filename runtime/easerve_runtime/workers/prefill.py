@@ -52,6 +52,11 @@ class PrefillWorker:
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = 0
 
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet handed on (the local prefill's drain waits for 0)."""
+        return self._inflight
+
     async def generate(self, envelope: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
             metas = list(envelope["requests"])
