@@ -170,10 +170,9 @@ def test_rolling_update_of_b_replaces_only_encode_pods_and_no_request_hangs(
 
 @pytest.mark.xfail(
     strict=True,
-    reason="known, outside the harness: during an encode roll, connections a terminating frontend "
-    "accepted just before it stopped listening are closed unanswered, and requests on kept-alive "
-    "connections get 503 'server is shutting down' (a preStop delay on the frontend, which the "
-    "harness now runs, and serving while draining would fix it). Frontend/renderer own the fix.",
+    reason="known: during an encode roll a few requests still fail with 'no live local prefill "
+    "instance' (measured 3 of 60 at 1 req/s after the fixes in workers/main.py); kept-alive client "
+    "connections to a terminating frontend get 503 (the test client opens one connection per request).",
 )
 def test_rolling_update_fails_no_request() -> None:
     failures = _ROLL.get("failures")

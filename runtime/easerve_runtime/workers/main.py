@@ -131,6 +131,8 @@ async def run_stage(
         s = spec.offload.ratio
         remote = await pool(COMPONENT_PREFILL, "prefill") if s > 0 else None
         local = await pool(local_prefill_component(key), "local prefill") if s < 1 else None
+        if local is not None:
+            await _wait_for_partner(local, local_prefill_component(key))
         component = COMPONENT_ENCODE
         worker = EncodeWorker(spec, engine, metrics, remote, local, partition=link)
 
@@ -161,6 +163,21 @@ async def run_stage(
 
 
 PARTNER_IDLE_S = 2.0
+
+
+async def _wait_for_partner(local: Pool, component: str) -> None:
+    """An encode worker registers only once its pod's local prefill is discoverable.
+
+    Both containers start together; an encode worker discoverable first would take requests whose
+    local share fails with "no live local prefill instance" (seen on every new pod of a rolling
+    update). Logged while waiting, so a missing partner is never silent."""
+    t0 = time.monotonic()
+    next_log = t0
+    while not local.instances():
+        if time.monotonic() >= next_log:
+            log.info("encode: waiting for this pod's local prefill (%s) before registering", component)
+            next_log += 10.0
+        await asyncio.sleep(0.1)
 
 
 async def _stay_discoverable_while_partner_drains(worker: Any) -> None:
