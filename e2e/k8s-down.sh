@@ -9,7 +9,7 @@ sig=TERM
 [ "${1:-}" = --purge ] && sig=KILL
 pids=()
 names=()
-for name in watchdog kubelet-harness kube-scheduler kube-controller-manager kube-apiserver etcd; do
+for name in watchdog kubelet-harness discovery-etcd kube-scheduler kube-controller-manager kube-apiserver etcd; do
   f=$RUN/pids/$name.pid
   [ -f "$f" ] || continue
   pid=$(cat "$f")
@@ -28,7 +28,7 @@ for i in "${!pids[@]}"; do
 done
 if [ "${1:-}" = --purge ]; then
   d=$(cat "$RUN/etcd-data-path" 2>/dev/null || echo "$RUN/etcd")
-  rm -rf "$d" "$RUN/etcd" "$RUN/logs" "$RUN/apiserver-certs" "$RUN/etcd-data-path"
+  rm -rf "$d" "$RUN/etcd" "$RUN/discovery-etcd" "$RUN/logs" "$RUN/apiserver-certs" "$RUN/etcd-data-path"
   echo "purged etcd data and logs (PKI kept in $RUN/pki)" >&2
 elif [ -f "$RUN/etcd-data-path" ]; then
   # a RAM-backed data dir must not outlive the cluster

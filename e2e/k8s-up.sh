@@ -17,6 +17,8 @@
 #   ETCD_DATA=$RUN/etcd      explicit etcd data dir (overrides ETCD_RAM)
 #   KEEP_DATA=0              1 = keep etcd data from a previous run
 #   WITH_KCM=1 WITH_SCHEDULER=1
+#   WITH_DISCOVERY_ETCD=0    1 = also start the etcd that Dynamo's discovery uses (e2e/discovery-etcd.sh;
+#                            port DISCOVERY_ETCD_PORT in ports.env; separate from the control plane's etcd)
 #   WATCH_PID=            stop the cluster when this process exits (the pytest fixture passes its own)
 #   WATCH_RM_RUN=0        1 = the watchdog also deletes RUN (a temp dir) after stopping the cluster
 #   BUILD=1                  build the binaries with e2e/build-k8s.sh when missing (slow the first time)
@@ -155,6 +157,9 @@ if [ $ok != 1 ]; then
   exit 1
 fi
 t_etcd=$(date +%s.%N)
+if [ "${WITH_DISCOVERY_ETCD:-0}" = 1 ]; then
+  RUN=$RUN "$HERE/discovery-etcd.sh" start >/dev/null
+fi
 
 # ---------- kube-apiserver ----------
 nohup "$K8S_BIN/kube-apiserver" \

@@ -14,8 +14,11 @@ kubelet: pods get bound to a node and then nothing runs them. This harness fills
   Progressing to Ready; and can flip a single pod to not-ready.
 
 What "running a pod" means is the extension point: a `PodRunner`. The default, `MarkReadyRunner`, runs
-nothing and reports the pod ready at once. A later runner can start each container as a local process
-and report the pod ready when its process is up (return the pod IP from `start`, stop it in `stop`).
+nothing and reports the pod ready at once (enough for control-plane tests, and ~100 pods/s). The
+`ProcessRunner` (e2e/process_runner.py, ``--run-processes``) starts every container as a local process
+and reports container statuses, readiness from the declared probes, restarts and exit codes itself
+(a runner with ``reports_status = True``); deletions then wait for its processes to stop (SIGTERM, the
+grace period, SIGKILL) before the pod is finalized.
 
 Use it
 * from Python: ``h = KubeletHarness(kubeconfig, node="easerve-node-0"); h.start(); ...; h.stop()``
@@ -60,6 +63,11 @@ class PodRunner(Protocol):
     def stop(self, pod: Pod) -> None:
         """Stop whatever `start` started for this pod (called once the pod is deleted or terminating)."""
         ...
+
+
+def _reports_status(runner: object) -> bool:
+    """Whether the runner posts pod status itself (ProcessRunner) instead of the harness marking Ready."""
+    return bool(getattr(runner, "reports_status", False))
 
 
 class MarkReadyRunner:
@@ -115,6 +123,7 @@ class KubeletHarness:
         self._not_ready: set[tuple[str, str]] = set()  # pods a test forced not-ready
         self._running: dict[str, Pod] = {}  # uid -> pod the runner started
         self._queued: set[str] = set()  # uids waiting in the queue (one entry per pod)
+        self._stopping: set[str] = set()  # uids whose processes are being stopped before finalizing
         self._queue: queue.Queue[tuple[float, str, str, str] | None] = queue.Queue()
         self._busy = 0
         self._stop = threading.Event()
@@ -134,6 +143,8 @@ class KubeletHarness:
         self._api = config.new_client_from_config(config_file=self.kubeconfig)
         self._api.configuration.connection_pool_maxsize = max(8, self.n_workers + 2)
         self._core = client.CoreV1Api(self._api)
+        if hasattr(self.runner, "attach"):
+            self.runner.attach(self._core, self._patch_status, self.node, self._api.configuration.host)
         self._register_node()
         self._stop.clear()
         t = threading.Thread(target=self._watch_loop, name=f"kubelet-harness-watch-{self.node}", daemon=True)
@@ -150,7 +161,8 @@ class KubeletHarness:
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
-        """Stop watching and working. The Node object stays (its pods stay bound and Ready)."""
+        """Stop watching and working, and every process a runner started. The Node object stays (with
+    MarkReadyRunner its pods stay bound and Ready)."""
         self._stop.set()
         resp = self._resp
         if resp is not None:
@@ -163,6 +175,8 @@ class KubeletHarness:
             th.join(max(0.0, deadline - time.monotonic()))
         self._threads = []
         self._synced.clear()
+        if hasattr(self.runner, "stop_all"):
+            self.runner.stop_all()  # no process outlives the harness
 
     def __enter__(self) -> KubeletHarness:
         return self.start()
@@ -365,9 +379,12 @@ class KubeletHarness:
         uid = md["uid"]
         ns, name = _key(pod)
         if typ == "DELETED":
-            self._forget(uid, pod)
+            self._forget(uid, pod, grace=0.0)
             return
         if md.get("deletionTimestamp"):
+            if _reports_status(self.runner):
+                self._stop_then_finalize(uid, pod)
+                return
             self._forget(uid, pod)
             self._finalize(ns, name, uid)
             return
@@ -376,31 +393,53 @@ class KubeletHarness:
         with self._lock:
             if (ns, name) in self._not_ready:
                 return
-            if uid in self._running and _is_ready(pod):
+            if uid in self._running and (_is_ready(pod) or _reports_status(self.runner)):
                 return
             if self._paused:
                 self._held[uid] = (ns, name)
                 return
         self._enqueue(ns, name, uid)
 
-    def _forget(self, uid: str, pod: Pod) -> None:
+    def _forget(self, uid: str, pod: Pod, grace: float | None = None) -> None:
         with self._lock:
             self._held.pop(uid, None)
             self._not_ready.discard(_key(pod))
             started = self._running.pop(uid, None)
         if started is not None:
             try:
-                self.runner.stop(started)
+                if grace is not None and _reports_status(self.runner):
+                    self.runner.stop(started, grace)  # type: ignore[call-arg]
+                else:
+                    self.runner.stop(started)
             except Exception as e:  # noqa: BLE001 - a runner failure must not stop the harness
                 log.warning("runner.stop failed for %s/%s: %s", *_key(pod), e)
 
+    def _stop_then_finalize(self, uid: str, pod: Pod) -> None:
+        """A terminating pod: stop its processes (SIGTERM, grace, SIGKILL) on a thread of its own,
+        then confirm the deletion, as a kubelet does. Repeated events for the same pod do nothing."""
+        ns, name = _key(pod)
+        with self._lock:
+            if uid in self._stopping:
+                return
+            self._stopping.add(uid)
+
+        def work() -> None:
+            try:
+                self._forget(uid, pod)
+                self._finalize(ns, name, uid)
+            finally:
+                with self._lock:
+                    self._stopping.discard(uid)
+
+        threading.Thread(target=work, name=f"kubelet-harness-stop-{ns}/{name}", daemon=True).start()
+
     # ------------------------------------------------------------------ work
-    def _enqueue(self, ns: str, name: str, uid: str) -> None:
+    def _enqueue(self, ns: str, name: str, uid: str, delay_s: float | None = None) -> None:
         with self._lock:
             if uid in self._queued:
                 return
             self._queued.add(uid)
-        self._queue.put((time.monotonic() + self.delay_s, ns, name, uid))
+        self._queue.put((time.monotonic() + (self.delay_s if delay_s is None else delay_s), ns, name, uid))
 
     def _work_loop(self) -> None:
         while True:
@@ -415,8 +454,12 @@ class KubeletHarness:
                 if wait > 0 and self._stop.wait(wait):
                     return
                 self._ready_pod(ns, name, uid)
-            except Exception as e:  # noqa: BLE001 - log, keep the worker alive
+            except Exception as e:  # noqa: BLE001 - log, keep the worker alive, try again later
                 log.warning("kubelet harness could not ready %s/%s: %s", item[1], item[2], e)
+                with self._lock:
+                    self._queued.discard(item[3])
+                if not self._stop.is_set():
+                    self._enqueue(item[1], item[2], item[3], delay_s=2.0)
             finally:
                 with self._lock:
                     self._busy -= 1
@@ -439,6 +482,10 @@ class KubeletHarness:
             ip = self.runner.start(pod) or ip
             with self._lock:
                 self._running[uid] = pod
+        if _reports_status(self.runner):
+            with self._lock:
+                self.readied += 1
+            return  # the runner posts status (running, ready from probes) itself
         if not ip:
             n = next(self._ips)
             ip = f"{self._ip_prefix}.{n // 250 % 256}.{n % 250 + 2}"
@@ -530,13 +577,28 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kubeconfig", default=None, help="default: $KUBECONFIG")
     p.add_argument("--workers", type=int, default=4, help="threads patching pod status (default %(default)s)")
     p.add_argument("--pidfile", default=None, help="write the process id here (e2e/k8s-down.sh stops it)")
+    p.add_argument("--run-processes", action="store_true",
+                   help="run every container as a local process (e2e/process_runner.py) instead of marking pods Ready")
+    p.add_argument("--root", default=None, help="with --run-processes: per-pod folders and logs (default: a temp dir)")
+    p.add_argument("--kube-proxy", action="store_true",
+                   help="also play kube-proxy: each Service reachable on a loopback address (e2e/kube_proxy.py)")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     if not (args.kubeconfig or os.environ.get("KUBECONFIG")):
         p.error("--kubeconfig or KUBECONFIG is required")
+    runner: PodRunner | None = None
+    if args.run_processes:
+        from process_runner import ProcessRunner
+
+        runner = ProcessRunner(root=args.root, gpus=args.gpus)
     h = KubeletHarness(
-        args.kubeconfig, node=args.node, gpus=args.gpus, delay_ms=args.delay_ms, workers=args.workers
+        args.kubeconfig, node=args.node, gpus=args.gpus, delay_ms=args.delay_ms, workers=args.workers, runner=runner
     )
+    proxy = None
+    if args.kube_proxy:
+        from kube_proxy import KubeProxy
+
+        proxy = KubeProxy(args.kubeconfig or os.environ["KUBECONFIG"], octet=getattr(runner, "ips", None) and runner.ips.octet)
     done = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: done.set())
     signal.signal(signal.SIGINT, lambda *_: done.set())
@@ -546,6 +608,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.pidfile, "w") as f:
             f.write(f"{os.getpid()}\n")
     h.start()
+    if proxy is not None:
+        proxy.start()
     print(
         f"kubelet harness ready: node {args.node}, {args.gpus} GPUs (SIGUSR1 pause, SIGUSR2 resume)",
         flush=True,
@@ -554,6 +618,8 @@ def main(argv: list[str] | None = None) -> int:
         while not done.wait(1.0):
             pass
     finally:
+        if proxy is not None:
+            proxy.stop()
         h.stop()
         if args.pidfile:
             with contextlib.suppress(FileNotFoundError):

@@ -64,6 +64,7 @@ class Cluster:
         self.kubeconfig = str(kubeconfig)
         self.api_url = api_url_of(self.kubeconfig)
         self.harness = harness  # a kubelet_harness.KubeletHarness, or None when not running one
+        self.proxy: Any = None  # a kube_proxy.KubeProxy when Services are made reachable
         self._namespaces: list[str] = []
         self._core: Any = None
 
@@ -188,18 +189,22 @@ class LocalCluster(Cluster):
         extra_env: dict[str, str] | None = None,
         set_env: bool = True,
         rm_run_dir: bool = False,
+        discovery_etcd: bool = False,
     ) -> LocalCluster:
         """Start etcd + apiserver + controller-manager + scheduler (building the binaries first if they
         are missing: minutes, once per machine). Free ports are picked by k8s-up.sh; if another process
         grabs one in between, it retries on new ports. With `set_env`, sets os.environ['KUBECONFIG'],
         which must happen before the kubernetes client or kopf is imported anywhere.
         The cluster dies with this process (a watchdog in k8s-up.sh) if `stop` is never called. The state
-        dir is deleted on stop (and by the watchdog) when this call made it, or with `rm_run_dir`."""
+        dir is deleted on stop (and by the watchdog) when this call made it, or with `rm_run_dir`.
+        With `discovery_etcd`, a second etcd is started for Dynamo's discovery (`discovery_etcd_url`)."""
         owns_dir = run_dir is None
         run = run_dir or tempfile.mkdtemp(prefix="easerve-k8s-")
         env = dict(os.environ, RUN=run, ETCD_RAM="1" if etcd_ram else "0", WATCH_PID=str(os.getpid()))
         if owns_dir or rm_run_dir:
             env["WATCH_RM_RUN"] = "1"
+        if discovery_etcd:
+            env["WITH_DISCOVERY_ETCD"] = "1"
         env.update(extra_env or {})
         last = ""
         for _ in range(attempts):
@@ -215,8 +220,38 @@ class LocalCluster(Cluster):
                 break
         raise RuntimeError(f"e2e/k8s-up.sh failed (RUN={run}):\n{last}")
 
+    @property
+    def discovery_etcd_url(self) -> str | None:
+        """``http://127.0.0.1:PORT`` of the discovery etcd, when one was started."""
+        self.ports = self._read_ports()
+        port = self.ports.get("DISCOVERY_ETCD_PORT")
+        return f"http://127.0.0.1:{port}" if port else None
+
+    def stop_discovery_etcd(self) -> None:
+        """Stop the discovery etcd (its data stays; `start_discovery_etcd` brings it back)."""
+        self._discovery_etcd("stop")
+
+    def start_discovery_etcd(self) -> str:
+        """Start (or restart, on the same port and data) the discovery etcd; returns its URL."""
+        return self._discovery_etcd("start")
+
+    def _discovery_etcd(self, verb: str) -> str:
+        r = subprocess.run(
+            ["bash", str(E2E / "discovery-etcd.sh"), verb],
+            env=dict(os.environ, RUN=self.run_dir),
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"e2e/discovery-etcd.sh {verb} failed: {r.stderr[-2000:]}")
+        return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
+
     def stop(self, purge: bool = True) -> None:
-        """Stop the kubelet harness and every process k8s-up.sh started (by PID)."""
+        """Stop the kube proxy, the kubelet harness (and the processes it runs) and every process
+        k8s-up.sh started (by PID)."""
+        if self.proxy is not None:
+            self.proxy.stop()
+            self.proxy = None
         if self.harness is not None:
             self.harness.stop()
             self.harness = None
@@ -236,14 +271,39 @@ class LocalCluster(Cluster):
 
 
 def start_harness(
-    cluster: Cluster, node: str = "easerve-node-0", gpus: int | None = None, delay_ms: float = 0.0
+    cluster: Cluster,
+    node: str = "easerve-node-0",
+    gpus: int | None = None,
+    delay_ms: float = 0.0,
+    processes: bool = False,
+    root: str | None = None,
+    readiness_period_s: float | None = None,
+    backoff_s: float = 10.0,
 ) -> Any:
-    """Start a kubelet harness (in this process, on threads) for `cluster` and attach it."""
+    """Start a kubelet harness (in this process, on threads) for `cluster` and attach it.
+
+    With `processes`, pods really run: every container is a local process (e2e/process_runner.py,
+    per-pod folders and logs under `root`), and a kube-proxy stand-in (e2e/kube_proxy.py) makes the
+    Services reachable (`cluster.proxy.url(ns, service, port)`)."""
     if str(E2E) not in sys.path:
         sys.path.insert(0, str(E2E))
     from kubelet_harness import KubeletHarness
 
-    g = gpus if gpus is not None else int(os.environ.get("EASERVE_HARNESS_GPUS", "64"))
-    h = KubeletHarness(cluster.kubeconfig, node=node, gpus=g, delay_ms=delay_ms).start()
+    g = gpus if gpus is not None else int(os.environ.get("EASERVE_HARNESS_GPUS", "16" if processes else "64"))
+    runner: Any = None
+    if processes:
+        from process_runner import ProcessRunner
+
+        runner = ProcessRunner(
+            root=root or os.path.join(getattr(cluster, "run_dir", tempfile.gettempdir()), "pods"),
+            gpus=g,
+            readiness_period_s=readiness_period_s,
+            backoff_s=backoff_s,
+        )
+    h = KubeletHarness(cluster.kubeconfig, node=node, gpus=g, delay_ms=delay_ms, runner=runner).start()
     cluster.harness = h
+    if processes:
+        from kube_proxy import KubeProxy
+
+        cluster.proxy = KubeProxy(cluster.kubeconfig, octet=runner.ips.octet).start()
     return h

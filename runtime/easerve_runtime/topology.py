@@ -46,9 +46,13 @@ from easerve_runtime.api import (
 PARTITION_GPU_ENV = "EASERVE_PARTITION_GPU"
 """Pod-local GPU index (or comma list) of the partition records a worker reads; the launcher
 maps it to a host-unique index."""
-SHARE_GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all"}
-"""How a container that does not request the GPU reaches its pod's GPU today (the NVIDIA
-container runtime); see docs/operator.md for why and what replaces it."""
+SHARE_GPU_ENV: dict[str, str] = {}
+"""Nothing: a container sees exactly the devices the kubelet assigned to it, never ``all``
+(``NVIDIA_VISIBLE_DEVICES=all`` would hand a sidecar every GPU of the node). A container that
+shares its pod's GPU without requesting it (local prefill, partition controller, omni
+downstream) therefore gets no device from the renderer: on a real GPU node that sharing needs
+dynamic resource allocation (newer clusters) or both engines in one process; see
+docs/operator.md."""
 
 
 @dataclass(frozen=True)

@@ -187,10 +187,33 @@ def test_monitors_only_with_the_prometheus_operator_api() -> None:
     (pm,) = by_kind(on, "PodMonitor")
     assert sm["metadata"]["labels"]["release"] == "prom"
     assert sm["spec"]["endpoints"][0]["port"] == "metrics"
-    (svc,) = by_kind(on, "Service")
+    (svc,) = [s for s in by_kind(on, "Service") if "easerve.io/role" not in s["metadata"]["labels"]]
     assert svc["spec"]["ports"][0]["name"] == "metrics"
     assert pm["spec"]["selector"]["matchExpressions"][0]["key"] == "easerve.io/deployment"
     assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "system", "system-lp"}
+
+
+def test_discovery_etcd_installed_or_pointed_at() -> None:
+    """values discovery.etcd: the chart installs an etcd (StatefulSet + Service) and the operator gets
+    its Service address, or, with `endpoints`, installs nothing and passes those endpoints."""
+
+    def operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+        (dep,) = by_kind(objs, "Deployment")
+        return {e["name"]: e.get("value", "") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    installed = docs(render())
+    (sts,) = by_kind(installed, "StatefulSet")
+    svc = next(s for s in by_kind(installed, "Service") if s["metadata"]["name"] == sts["metadata"]["name"])
+    assert svc["spec"]["ports"][0]["port"] == 2379
+    assert svc["spec"]["selector"] == sts["spec"]["selector"]["matchLabels"]
+    url = f"http://{svc['metadata']['name']}.{NAMESPACE}.svc:2379"
+    assert operator_env(installed)["EASERVE_DISCOVERY_ETCD_ENDPOINTS"] == url
+    external = docs(render("--set", "discovery.etcd.endpoints=http://etcd.infra:2379"))
+    assert not by_kind(external, "StatefulSet")
+    assert operator_env(external)["EASERVE_DISCOVERY_ETCD_ENDPOINTS"] == "http://etcd.infra:2379"
+    neither = docs(render("--set", "discovery.etcd.install=false"))
+    assert not by_kind(neither, "StatefulSet")
+    assert "EASERVE_DISCOVERY_ETCD_ENDPOINTS" not in operator_env(neither)
 
 
 def test_webhook_off_drops_its_rbac_and_flags() -> None:

@@ -94,3 +94,12 @@ and the Role (scope=namespace). Exact verbs and resources, no wildcards (docs/he
   verbs: ["get", "list", "watch", "create", "patch"]
 {{- end }}
 {{- end -}}
+
+{{/* The etcd endpoints the operator passes into serving pods (empty: none configured). */}}
+{{- define "easerve.discoveryEtcdEndpoints" -}}
+{{- if .Values.discovery.etcd.endpoints -}}
+{{- .Values.discovery.etcd.endpoints -}}
+{{- else if .Values.discovery.etcd.install -}}
+{{- printf "http://%s-etcd.%s.svc:2379" (include "easerve.fullname" .) .Release.Namespace -}}
+{{- end -}}
+{{- end -}}

@@ -46,6 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bind", default="0.0.0.0", help="bind address of the metrics and health endpoints")
     parser.add_argument("--worker-limit", type=int, default=0,
                         help="most objects handled at once (bounds memory during bursts; 0: unlimited)")
+    parser.add_argument(
+        "--discovery-etcd-endpoints",
+        default=os.environ.get("EASERVE_DISCOVERY_ETCD_ENDPOINTS") or None,
+        help="etcd endpoints for Dynamo discovery, passed into every pod whose spec uses etcd discovery "
+        "without naming endpoints (default: $EASERVE_DISCOVERY_ETCD_ENDPOINTS; the chart sets it)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -101,6 +107,9 @@ def run(args: argparse.Namespace) -> int:
 
     handlers.OPTIONS.worker_limit = max(0, args.worker_limit)
     handlers.OPTIONS.namespaces = list(args.namespace)  # the children's informer watches the same scope
+    from easerve_operator.reconcile.defaults import OperatorDefaults
+
+    handlers.OPTIONS.defaults = OperatorDefaults(discovery_etcd_endpoints=args.discovery_etcd_endpoints)
 
     if args.webhook_port:
         cert, key = args.webhook_cert, args.webhook_key

@@ -1,10 +1,18 @@
 """`easerve up`: the whole system on one machine, with no GPU and no container runtime.
 
-It starts a private local control plane (etcd, kube-apiserver, controller-manager, scheduler),
-a test harness that plays kubelet for one fake GPU node, installs the CRD, runs the operator with
-its admission webhook, applies an example, and waits until the operator reports it Ready. Then,
-unless ``--no-serve``, it serves the same example with the sim engine (``easerve serve``) and
-sends it a short multimodal load (``easerve bench``), so you see requests flow end to end.
+It starts a private local control plane (etcd, kube-apiserver, controller-manager, scheduler) and
+the etcd that Dynamo's discovery uses, a test harness that plays kubelet for one fake GPU node and
+runs every container of every pod as a local process (e2e/process_runner.py), a companion that
+plays kube-proxy (e2e/kube_proxy.py: each Service reachable on a loopback address), installs the
+CRD, runs the operator with its admission webhook, applies an example, and waits until the operator
+reports it Ready and every pod's processes answer their readiness probes. Then, unless
+``--no-serve``, it sends a short multimodal load (``easerve bench``) through the frontend Service of
+the deployment the operator created, so you see requests flow end to end through the real pods.
+
+With ``--json`` the last line printed is one JSON object: ``ready_s`` (seconds from start to
+Ready), ``service_url`` (the frontend Service as reached through the kube-proxy stand-in), ``load``
+(the ``easerve bench`` report: completed, failed, goodput per tier, ...), ``processes`` and the
+resource use of the pods' processes during the load (``pods_cpu_s``, ``pods_rss_mb``).
 
 It needs a source checkout (it drives the scripts in ``e2e/``).
 """
@@ -12,7 +20,6 @@ It needs a source checkout (it drives the scripts in ``e2e/``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import signal
@@ -24,7 +31,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-HELP = "bring up a local control plane + operator, apply an example, wait for Ready, and serve it (sim engine)"
+HELP = "bring up a local control plane + operator, apply an example, run its pods as processes, load it through its Service"
 REPO = Path(__file__).resolve().parents[3]
 DEFAULT_EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
 
@@ -32,9 +39,12 @@ DEFAULT_EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", default=str(DEFAULT_EXAMPLE), help="EPDDeployment to apply (default: %(default)s)")
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for Ready")
-    parser.add_argument("--no-serve", action="store_true", help="skip the live sim-engine serving run")
-    parser.add_argument("--requests", type=int, default=20, help="requests of the serving run")
-    parser.add_argument("--rate", type=float, default=1.0, help="arrival rate of the serving run (req/s)")
+    parser.add_argument("--no-serve", action="store_true", help="skip the load run through the frontend Service")
+    parser.add_argument("--requests", type=int, default=20, help="requests of the load run")
+    parser.add_argument("--rate", type=float, default=1.0, help="arrival rate of the load run (req/s)")
+    parser.add_argument("--sim-speedup", type=float, default=1.0,
+                        help="divide the sim engine's latencies by this in the pods (spec.pod.env EASERVE_SIM_SPEEDUP)")
+    parser.add_argument("--json", action="store_true", help="end with one JSON line: ready_s, service_url, load, ...")
     parser.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (prints a KUBECONFIG)")
 
 
@@ -62,6 +72,36 @@ def _wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = No
     raise TimeoutError(f"{url} did not answer within {timeout}s")
 
 
+def _with_pod_env(path: str, env: dict[str, str]) -> str:
+    """The manifest with ``spec.pod.env`` entries added (the sim speed-up reaches the pods this way)."""
+    import yaml
+
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if env:
+        pod = doc["spec"].setdefault("pod", {})
+        pod["env"] = [*(pod.get("env") or []), *({"name": k, "value": v} for k, v in env.items())]
+    return str(yaml.safe_dump(doc))
+
+
+def _proc_usage(pids: list[int]) -> tuple[float, float]:
+    """CPU seconds (user+system) and resident memory (MB) of these processes, from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    cpu = rss = 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            cpu += (int(fields[11]) + int(fields[12])) / tick
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        rss += int(line.split()[1]) / 1024
+        except (OSError, IndexError, ValueError):
+            continue
+    return cpu, rss
+
+
 def run(args: argparse.Namespace) -> int:
     e2e = REPO / "e2e"
     if not (e2e / "local_cluster.py").exists():
@@ -74,15 +114,21 @@ def run(args: argparse.Namespace) -> int:
     sys.path.insert(0, str(e2e))
     from local_cluster import LocalCluster, start_harness
 
+    from easerve_operator.render.stages import stage_name
+
+    result: dict[str, Any] = {"example": args.file, "name": name}
     t0 = time.monotonic()
     _say("starting the local control plane (first run builds Kubernetes from Debian's source: minutes)")
-    cluster = LocalCluster.start(set_env=True)
+    cluster = LocalCluster.start(set_env=True, discovery_etcd=True)
     procs: list[subprocess.Popen[Any]] = []
     work = Path(cluster.run_dir)
     try:
         _say(f"control plane up in {time.monotonic() - t0:.1f}s; KUBECONFIG={cluster.kubeconfig}")
-        start_harness(cluster)
-        _say("kubelet harness (a test stand-in that marks scheduled pods Ready) registered node easerve-node-0")
+        _say(f"discovery etcd for Dynamo at {cluster.discovery_etcd_url}")
+        start_harness(cluster, processes=True, root=str(work / "pods"), readiness_period_s=1.0)
+        _say("kubelet harness (a test stand-in for kubelet: runs each container as a local process) "
+             f"registered node easerve-node-0; pod logs under {work / 'pods'}")
+        _say("kube-proxy stand-in up (each Service on a loopback address, forwarding to ready pods)")
         from easerve_operator.commands.crd import apply_crd
 
         apply_crd(cluster.kubeconfig)
@@ -92,12 +138,14 @@ def run(args: argparse.Namespace) -> int:
         op_log = (work / "operator.log").open("wb")
         op = subprocess.Popen(
             [sys.executable, "-m", "easerve_operator.cli", "operator", "--webhook-port", str(_free_port()),
-             "--metrics-port", str(_free_port()), "--health-port", str(health), "--bind", "127.0.0.1"],
+             "--metrics-port", str(_free_port()), "--health-port", str(health), "--bind", "127.0.0.1",
+             "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)],
             stdout=op_log, stderr=subprocess.STDOUT, env=env)
         procs.append(op)
         _wait_http(f"http://127.0.0.1:{health}/healthz", 60, op)
-        _say(f"operator running (log: {work / 'operator.log'})")
-        r = cluster.kubectl("apply", "-f", args.file)
+        _say(f"operator and admission webhook running (log: {work / 'operator.log'})")
+        pod_env = {"EASERVE_SIM_SPEEDUP": str(args.sim_speedup)} if args.sim_speedup != 1.0 else {}
+        r = cluster.kubectl("apply", "-f", "-", input=_with_pod_env(args.file, pod_env))
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             return 1
@@ -108,55 +156,68 @@ def run(args: argparse.Namespace) -> int:
             obj = json.loads(cluster.kubectl("get", "epd", name, "-o", "json").stdout or "{}")
             st = obj.get("status") or {}
             ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
-            line = f"phase={st.get('phase')} ready={st.get('readySummary')} {ready.get('reason', '')}"
+            pods = json.loads(cluster.kubectl("get", "pods", "-l", f"easerve.io/deployment={name}", "-o",
+                                              "json").stdout or '{"items": []}')["items"]
+            n_ready = sum(any(c["type"] == "Ready" and c["status"] == "True"
+                              for c in (p.get("status") or {}).get("conditions") or []) for p in pods)
+            line = (f"phase={st.get('phase')} ready={st.get('readySummary')} {ready.get('reason', '')} "
+                    f"pods ready {n_ready}/{len(pods)}, processes {len(cluster.harness.runner.pids())}")
             if line != last:
                 _say(line)
                 last = line
-            if ready.get("status") == "True" and st.get("observedGeneration") == obj["metadata"]["generation"]:
+            if (ready.get("status") == "True" and st.get("observedGeneration") == obj["metadata"]["generation"]
+                    and pods and n_ready == len(pods)):
                 break
             if time.monotonic() > deadline:
                 _say(f"not Ready after {args.timeout}s")
                 print(yaml.safe_dump(st), file=sys.stderr)
                 return 1
             time.sleep(0.5)
+        result["ready_s"] = round(time.monotonic() - t0, 1)
         print(cluster.kubectl("get", "epd,deployments,services,configmaps", "-l",
                               f"easerve.io/deployment={name}").stdout, flush=True)
-        print(cluster.kubectl("get", "epd").stdout, flush=True)
-        _say(f"{name} Ready {time.monotonic() - t0:.1f}s after start")
+        print(cluster.kubectl("get", "pods", "-o", "wide").stdout, flush=True)
+        pids = cluster.harness.runner.pids()
+        result["processes"] = len(pids)
+        _say(f"{name} Ready {result['ready_s']}s after start: {len(pids)} container processes running")
+        url = cluster.proxy.url("default", stage_name(name, "encode"), 8000)
+        result["service_url"] = url
         if not args.no_serve:
-            port = _free_port()
-            srv = subprocess.Popen([sys.executable, "-m", "easerve_operator.cli", "serve", "-f", args.file,
-                                    "--port", str(port)], env=env, start_new_session=True,
-                                   stdout=(work / "serve.log").open("wb"), stderr=subprocess.STDOUT)
-            procs.append(srv)
-            _wait_http(f"http://127.0.0.1:{port}/health", 120, srv)
-            _say(f"serving {name} with the sim engine at http://127.0.0.1:{port}/v1/chat/completions")
+            _say(f"sending {args.requests} requests at {args.rate}/s through the frontend Service {url}")
+            cpu0, _ = _proc_usage(list(pids.values()))
+            t_load = time.monotonic()
             bench = subprocess.run(
-                [sys.executable, "-m", "easerve_operator.cli", "bench", "--url", f"http://127.0.0.1:{port}",
+                [sys.executable, "-m", "easerve_operator.cli", "bench", "--url", url,
                  "--rate", str(args.rate), "--requests", str(args.requests), "--seed", "0", "--spec", args.file,
                  "--json"], env=env, capture_output=True, text=True)
+            wall = time.monotonic() - t_load
+            cpu1, rss = _proc_usage(list(cluster.harness.runner.pids().values()))
             if bench.returncode != 0:
                 print(bench.stderr[-2000:], file=sys.stderr)
                 return 1
             report = json.loads(bench.stdout)
+            result["load"] = report
+            result["pods_cpu_s"] = round(cpu1 - cpu0, 1)
+            result["pods_cpu_cores"] = round((cpu1 - cpu0) / wall, 2) if wall > 0 else None
+            result["pods_rss_mb"] = round(rss, 1)
             _say("load run: " + json.dumps({k: report.get(k) for k in
                                             ("completed", "failed", "throughput", "ttft", "tpot", "goodput")}))
+            _say(f"pods' processes during the load: {result['pods_cpu_s']} CPU-s "
+                 f"({result['pods_cpu_cores']} cores), {result['pods_rss_mb']} MB resident")
         if args.keep_running:
-            _say(f"up; export KUBECONFIG={cluster.kubeconfig}   (Ctrl-C to stop)")
+            _say(f"up; export KUBECONFIG={cluster.kubeconfig}; frontend Service at {url}   (Ctrl-C to stop)")
             signal.sigwait({signal.SIGINT, signal.SIGTERM})
         return 0
     finally:
-        cluster.kubectl("delete", "epd", "--all", "--wait=true", "--timeout=30s")
+        cluster.kubectl("delete", "epd", "--all", "--wait=true", "--timeout=60s")
         for p in reversed(procs):
             if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    if p.pid == os.getpgid(p.pid):  # `easerve serve` leads its own group: stop it all
-                        os.killpg(p.pid, signal.SIGTERM)
-                    else:
-                        p.terminate()
+                p.terminate()
                 try:
                     p.wait(timeout=30)
                 except subprocess.TimeoutExpired:
                     p.kill()
         cluster.stop()
         _say("stopped")
+        if args.json:
+            print(json.dumps(result), flush=True)

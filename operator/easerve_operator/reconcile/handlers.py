@@ -51,9 +51,11 @@ from easerve_runtime.api import (
     name_errors,
 )
 
+from easerve_operator.reconcile.defaults import OperatorDefaults, with_operator_defaults
 from easerve_operator.reconcile.informer import ChildInformer, kube_sources
 from easerve_operator.reconcile.kube import Kube, new_api_client
 from easerve_operator.reconcile.loop import Owner, Reconciler, check_spec, pack, unpack
+from easerve_operator.render import render_children
 
 MANAGED_KEY, MANAGED_VALUE = "app.kubernetes.io/managed-by", "easerve-operator"
 MANAGED = {MANAGED_KEY: MANAGED_VALUE}
@@ -75,6 +77,7 @@ class Options:
     webhook_managed: str = "easerve.io"
     worker_limit: int = 0  # 0: unlimited (fastest); see --worker-limit
     namespaces: list[str] = field(default_factory=list)  # empty: all namespaces
+    defaults: OperatorDefaults = field(default_factory=OperatorDefaults)  # filled into specs before render
 
 
 OPTIONS = Options()
@@ -226,6 +229,12 @@ class CapacitySweeper:
                 logging.getLogger(__name__).exception("capacity sweep failed")
 
 
+def _render_with_defaults(name: str, namespace: str, uid: str, spec: Any) -> list[dict[str, Any]]:
+    """Render with the operator-wide defaults filled in (``reconcile/defaults.py``): the stored spec
+    is never written, only the rendered copy carries e.g. the discovery etcd endpoints."""
+    return render_children(name, namespace, uid, with_operator_defaults(spec, OPTIONS.defaults))
+
+
 # ----------------------------------------------------------------------------------- admission
 def validate(spec: kopf.Spec, name: str | None = None, **_: Any) -> None:
     """Refuse an invalid spec (or a name whose labels cannot be applied) at ``kubectl apply`` time,
@@ -259,7 +268,7 @@ def stop_informer(memo: kopf.Memo, **_: Any) -> None:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: kopf.Index, **_: Any) -> None:
     """Runs on the event loop: builds the reconciler (unless injected) and the loop reader."""
     if "reconciler" not in memo:
-        memo.reconciler = Reconciler(client_factory=Kube)
+        memo.reconciler = Reconciler(client_factory=Kube, render=_render_with_defaults)
     memo.read = LoopReader(asyncio.get_running_loop())
     if "informer" not in memo:
         memo.informer = ChildInformer(

@@ -93,8 +93,105 @@ def dynamo_env(
         # that: the hop's timeout is the request's own deadline instead (spec.limits)
         out["DYN_TCP_REQUEST_TIMEOUT"] = str(math.ceil(cfg.spec.limits.request_timeout_seconds))
     if not env.get("DYN_LOG"):
-        out["DYN_LOG"] = "error"  # Dynamo logs every routed request at INFO
+        # Dynamo logs every routed request at INFO; its etcd client's warnings name the endpoint
+        # when discovery goes away and comes back, which an operator needs to see.
+        out["DYN_LOG"] = "error,dynamo_runtime::transports::etcd=warn"
     return out
+
+
+DEFAULT_ETCD_ENDPOINT = "http://localhost:2379"
+"""What Dynamo's etcd client uses when ETCD_ENDPOINTS is unset."""
+
+
+def etcd_endpoints(env: Mapping[str, str]) -> list[str]:
+    """The etcd endpoints Dynamo will use (ETCD_ENDPOINTS is comma-separated)."""
+    raw = env.get("ETCD_ENDPOINTS") or DEFAULT_ETCD_ENDPOINT
+    return [e.strip() for e in raw.split(",") if e.strip()]
+
+
+async def _reachable(endpoint: str, timeout: float) -> str | None:
+    """None when a TCP connection to the endpoint opens, else the reason it did not."""
+    from urllib.parse import urlsplit
+
+    u = urlsplit(endpoint if "://" in endpoint else f"http://{endpoint}")
+    host, port = u.hostname or "localhost", u.port or 2379
+    try:
+        _, w = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
+    except (OSError, TimeoutError) as exc:
+        return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+    w.close()
+    return None
+
+
+async def wait_for_discovery(
+    env: Mapping[str, str],
+    probe_port: int | None,
+    probe_host: str = "0.0.0.0",
+    max_interval_s: float = 5.0,
+) -> None:
+    """Block until the discovery service answers, saying so in the log and on the probes.
+
+    Dynamo's DistributedRuntime blocks its event loop while it retries etcd for up to two minutes,
+    with its warnings hidden at our default log level: a worker with a wrong or missing endpoint
+    would hang silently, neither ready nor failing. So before creating the runtime, this checks the
+    etcd endpoints itself and, while none answers, logs one WARNING per attempt naming the endpoints
+    and keeps retrying (back-off up to ``max_interval_s``), never giving up. Meanwhile it serves the
+    pod's probe port: ``/live`` 200 (the process is fine, restarting it would not help) and
+    ``/health`` 503 with the reason, so Kubernetes shows the pod not-ready instead of restarting it.
+    Other backends (kubernetes, file) return at once.
+    """
+    if env.get("DYN_DISCOVERY_BACKEND") != DiscoveryBackend.ETCD:
+        return
+    endpoints = etcd_endpoints(env)
+    reason = ""
+    for ep in endpoints:
+        r = await _reachable(ep, 2.0)
+        if r is None:
+            return
+        reason = r
+    from aiohttp import web
+
+    state = {"reason": reason}
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response(
+            {"status": "notready", "discovery": "etcd", "endpoints": endpoints, "error": state["reason"]},
+            status=503,
+        )
+
+    async def live(_: web.Request) -> web.Response:
+        return web.json_response({"status": "live"})
+
+    runner: web.AppRunner | None = None
+    if probe_port:
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/live", live)
+        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, probe_host, probe_port).start()
+        except OSError as exc:
+            log.warning("discovery wait: cannot serve probes on %s:%d (%s)", probe_host, probe_port, exc)
+    delay, attempt = 0.5, 0
+    try:
+        while True:
+            attempt += 1
+            log.warning(
+                "discovery: etcd at %s is unreachable (%s); not ready, retrying in %.1fs (attempt %d)",
+                ",".join(endpoints), state["reason"], delay, attempt,
+            )
+            await asyncio.sleep(delay)
+            delay = min(max_interval_s, delay * 2)
+            for ep in endpoints:
+                r = await _reachable(ep, 2.0)
+                if r is None:
+                    log.info("discovery: etcd at %s answers; starting the runtime", ep)
+                    return
+                state["reason"] = r
+    finally:
+        if runner is not None:
+            await runner.cleanup()
 
 
 def make_runtime(cfg: RuntimeConfig, discovery: str | None = None) -> Any:

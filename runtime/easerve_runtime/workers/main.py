@@ -29,10 +29,12 @@ from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_PREFILL,
     DEFAULT_SYSTEM_PORT,
     default_local_key,
+    dynamo_env,
     endpoint_path,
     install_stop_handlers,
     local_prefill_component,
     make_runtime,
+    wait_for_discovery,
 )
 from easerve_runtime.workers.pool import Pool
 
@@ -155,6 +157,10 @@ async def run_stage(
         raise ValueError(f"--stage: unknown stage {stage!r} (one of {', '.join(STAGES)})")
     if stage != "frontend":
         os.environ.setdefault("DYN_SYSTEM_PORT", str(DEFAULT_SYSTEM_PORT))
+    # Discovery first: a worker that cannot reach it says so (log + not-ready probe) and retries.
+    probe_port = port if stage == "frontend" else int(os.environ["DYN_SYSTEM_PORT"])
+    probe_host = host if stage == "frontend" else os.environ.get("DYN_SYSTEM_HOST", "0.0.0.0")
+    await wait_for_discovery({**os.environ, **dynamo_env(cfg, discovery)}, probe_port, probe_host)
     runtime = make_runtime(cfg, discovery)
     stop = asyncio.Event()
     install_stop_handlers(stop.set)
@@ -199,6 +205,8 @@ async def run_stage(
         s = spec.offload.ratio
         remote = await pool(COMPONENT_PREFILL, "prefill") if s > 0 else None
         local = await pool(local_prefill_component(key), "local prefill") if s < 1 else None
+        if local is not None:
+            await _wait_for_partner(local, local_prefill_component(key))
         component = COMPONENT_ENCODE
         worker = EncodeWorker(spec, engine, metrics, remote, local, partition=link)
 
@@ -219,6 +227,8 @@ async def run_stage(
         log.error("%s batch loop died: %r", stage, loop_task.exception())
         rc = 1
     runtime.set_health_status(False)
+    if stage == "local-prefill" and rc == 0:
+        await _stay_discoverable_while_partner_drains(worker)
     runtime.shutdown()  # withdraw discovery, then Dynamo drains in-flight handlers
     try:
         await asyncio.wait_for(serve_task, DRAIN_TIMEOUT_S)
@@ -229,6 +239,47 @@ async def run_stage(
         if t is not None:
             t.cancel()
     return rc
+
+
+PARTNER_IDLE_S = 2.0
+
+
+async def _wait_for_partner(local: Pool, component: str) -> None:
+    """An encode worker registers only once its pod's local prefill is discoverable.
+
+    Both containers start together; an encode worker discoverable first would take requests whose
+    local share fails with "no live local prefill instance" (seen on every new pod of a rolling
+    update). Logged while waiting, so a missing partner is never silent."""
+    t0 = time.monotonic()
+    next_log = t0
+    while not local.instances():
+        if time.monotonic() >= next_log:
+            log.info("encode: waiting for this pod's local prefill (%s) before registering", component)
+            next_log += 10.0
+        await asyncio.sleep(0.1)
+
+
+async def _stay_discoverable_while_partner_drains(worker: Any) -> None:
+    """Keep a local prefill worker discoverable until its encode partner has drained.
+
+    Kubernetes sends SIGTERM to every container of a pod at once. The encode worker withdraws from
+    discovery at once (no new requests reach it) but still drains its admitted batches, and those
+    need this pod's local prefill: withdrawing here too would fail them with "no live local prefill
+    instance" during every rolling update. So this worker stays registered (already not-ready) until
+    it has had no work for ``PARTNER_IDLE_S``, or the drain deadline passes.
+    """
+    deadline = time.monotonic() + DRAIN_TIMEOUT_S
+    idle_since: float | None = None
+    while time.monotonic() < deadline:
+        busy = bool(getattr(worker, "inflight", 0))
+        now = time.monotonic()
+        if busy:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= PARTNER_IDLE_S:
+            return
+        await asyncio.sleep(0.05)
 
 
 async def _run_frontend(

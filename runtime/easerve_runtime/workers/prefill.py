@@ -61,6 +61,11 @@ class PrefillWorker:
         self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
         self.kv_chunk_bytes = KV_CHUNK_BYTES
 
+    @property
+    def inflight(self) -> int:
+        """Requests admitted and not yet handed on (the local prefill's drain waits for 0)."""
+        return self._inflight
+
     async def generate(self, envelope: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
             metas = list(envelope["requests"])

@@ -1,0 +1,276 @@
+"""Pods that really run: a private control plane whose kubelet harness runs every container as a process.
+
+`pods_cluster` (package scope) is a second local control plane, separate from the session's `k8s`
+(which marks pods Ready without running anything, for fast control-plane tests). Here:
+
+- the discovery etcd runs beside the control plane (e2e/discovery-etcd.sh), and the operator gets it
+  as its operator-wide default (``--discovery-etcd-endpoints``), as the chart does;
+- the kubelet harness runs with the ProcessRunner (e2e/process_runner.py): containers are processes,
+  readiness comes from the declared probes (probed every 0.5 s here instead of every 5 s, to keep
+  CI short), crashes restart after a 1 s back-off;
+- the kube-proxy stand-in (e2e/kube_proxy.py) makes Services reachable: ``c.proxy.url(ns, svc, port)``;
+- the operator runs as a process (webhook off: validation is tested elsewhere).
+
+Every test that uses it carries the ``k8s`` marker and the ``cluster`` marker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+E2E = REPO / "e2e"
+if str(E2E) not in sys.path:
+    sys.path.insert(0, str(E2E))
+
+SIM_SPEEDUP = "8"
+"""The sim engine's latencies divided by this in the test pods (spec.pod.env): the pipeline and its
+ratios stay, the wall time shrinks. Token counts do not depend on it."""
+
+
+OPERATOR_NS_PREFIX = "pods"
+"""The fixture's operator watches namespaces ``pods-*`` (kopf glob) only, so an operator that a test
+installs with the chart (in another namespace) never competes with it."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if "pods_cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.k8s)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"process exited with {proc.returncode} before {url} answered")
+        try:
+            with urllib.request.urlopen(url, timeout=1) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"{url} did not answer within {timeout}s")
+
+
+class PodsCluster:
+    """The running pieces, plus helpers the tests share."""
+
+    def __init__(self, cluster: Any, operator: subprocess.Popen[bytes], work: Path) -> None:
+        self.cluster = cluster
+        self.operator = operator
+        self.work = work
+
+    @property
+    def harness(self) -> Any:
+        return self.cluster.harness
+
+    @property
+    def runner(self) -> Any:
+        return self.cluster.harness.runner
+
+    @property
+    def proxy(self) -> Any:
+        return self.cluster.proxy
+
+    def runner_env(self, namespace: str, key: str) -> dict[str, str]:
+        """The environment of a running container process, ``key`` = ``ns/pod/container``."""
+        pid = self.runner.pids(namespace)[key]
+        raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        return dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+
+    def kubectl(self, *args: str, **kw: Any) -> subprocess.CompletedProcess[str]:
+        return self.cluster.kubectl(*args, **kw)
+
+    def namespace(self, prefix: str = "") -> str:
+        """A fresh namespace; watched by the fixture's operator unless `prefix` is given."""
+        return str(self.cluster.namespace(prefix or OPERATOR_NS_PREFIX))
+
+    def apply_example(self, path: Path, namespace: str, **env: str) -> str:
+        """Apply an example EPDDeployment (with ``spec.pod.env`` added) into `namespace`; returns its name."""
+        import yaml
+
+        doc = yaml.safe_load(path.read_text())
+        pod = doc["spec"].setdefault("pod", {})
+        pod["env"] = [*(pod.get("env") or []), *({"name": k, "value": v} for k, v in env.items())]
+        r = self.kubectl("apply", "-n", namespace, "-f", "-", input=yaml.safe_dump(doc))
+        assert r.returncode == 0, r.stderr
+        return str(doc["metadata"]["name"])
+
+    def delete_namespace_and_wait(self, namespace: str, timeout: float = 90) -> None:
+        """Delete a namespace and wait until the harness has stopped all of its processes."""
+        self.cluster.delete_namespace(namespace)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and harness_processes(self.runner.ips.octet, namespace):
+            time.sleep(0.3)
+
+    def epd(self, namespace: str, name: str) -> dict[str, Any]:
+        r = self.kubectl("get", "epd", name, "-n", namespace, "-o", "json")
+        return dict(json.loads(r.stdout or "{}"))
+
+    def wait_ready(self, namespace: str, name: str, timeout: float = 240) -> float:
+        """Seconds until the operator reports Ready for the current generation and every pod of the
+        deployment is Ready (its processes answering their readiness probes)."""
+        t0 = time.monotonic()
+        deadline = t0 + timeout
+        last = ""
+        while time.monotonic() < deadline:
+            obj = self.epd(namespace, name)
+            st = obj.get("status") or {}
+            ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
+            last = f"{st.get('phase')} {st.get('readySummary')} {ready.get('reason')}"
+            if (
+                ready.get("status") == "True"
+                and st.get("observedGeneration") == obj["metadata"]["generation"]
+                and self.pods_ready(namespace, name)
+            ):
+                return time.monotonic() - t0
+            time.sleep(0.5)
+        raise TimeoutError(f"{namespace}/{name} not Ready in {timeout}s (last: {last})\n{self.diagnose(namespace)}")
+
+    def pods(self, namespace: str, name: str | None = None) -> list[dict[str, Any]]:
+        sel = ["-l", f"easerve.io/deployment={name}"] if name else []
+        r = self.kubectl("get", "pods", "-n", namespace, *sel, "-o", "json")
+        return list(json.loads(r.stdout or '{"items": []}')["items"])
+
+    def pods_ready(self, namespace: str, name: str) -> bool:
+        pods = [p for p in self.pods(namespace, name) if not p["metadata"].get("deletionTimestamp")]
+        return bool(pods) and all(
+            any(c["type"] == "Ready" and c["status"] == "True" for c in (p.get("status") or {}).get("conditions") or [])
+            for p in pods
+        )
+
+    def diagnose(self, namespace: str) -> str:
+        out = [self.kubectl("get", "pods", "-n", namespace, "-o", "wide").stdout]
+        for p in self.pods(namespace):
+            for c in p["spec"]["containers"]:
+                lp = self.runner.log_path(namespace, p["metadata"]["name"], c["name"])
+                if lp.exists():
+                    tail = lp.read_text(errors="replace").splitlines()[-8:]
+                    out.append(f"--- {p['metadata']['name']}/{c['name']}\n" + "\n".join(tail))
+        op = self.work / "operator.log"
+        if op.exists():
+            out.append("--- operator\n" + "\n".join(op.read_text(errors="replace").splitlines()[-10:]))
+        return "\n".join(out)
+
+    def frontend_url(self, namespace: str, name: str) -> str:
+        from easerve_operator.render.stages import stage_name
+
+        return str(self.proxy.url(namespace, stage_name(name, "encode"), 8000))
+
+
+@pytest.fixture(scope="package")
+def pods_cluster() -> Iterator[PodsCluster]:
+    with running_pods_cluster() as c:
+        yield c
+
+
+@contextlib.contextmanager
+def running_pods_cluster() -> Iterator[PodsCluster]:
+    """The fixture's body, usable from a script (``with running_pods_cluster() as c: ...``)."""
+    from local_cluster import LocalCluster, start_harness
+
+    run_dir = tempfile.mkdtemp(prefix="easerve-pods-")
+    cluster = LocalCluster.start(run_dir, set_env=False, rm_run_dir=not os.environ.get("EASERVE_K8S_KEEP"),
+                                 discovery_etcd=True)
+    work = Path(run_dir)
+    op: subprocess.Popen[bytes] | None = None
+    try:
+        from easerve_operator.commands.crd import apply_crd
+
+        apply_crd(cluster.kubeconfig)
+        start_harness(cluster, processes=True, root=str(work / "pods"), readiness_period_s=0.5, backoff_s=1.0)
+        health = free_port()
+        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1"}
+        op = subprocess.Popen(
+            [sys.executable, "-m", "easerve_operator.cli", "operator", "--metrics-port", "0",
+             "--namespace", f"{OPERATOR_NS_PREFIX}-*",
+             "--health-port", str(health), "--bind", "127.0.0.1",
+             "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)],
+            stdout=(work / "operator.log").open("wb"), stderr=subprocess.STDOUT, env=env,
+        )
+        wait_http(f"http://127.0.0.1:{health}/healthz", 60, op)
+        yield PodsCluster(cluster, op, work)
+    finally:
+        for ns in list(cluster._namespaces):  # delete while the operator runs (kopf finalizers)
+            cluster.kubectl("delete", "epd", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+        cluster.cleanup()
+        if op is not None:
+            op.terminate()
+            try:
+                op.wait(20)
+            except subprocess.TimeoutExpired:
+                op.kill()
+        cluster.stop(purge=True)
+
+
+def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeout_s: float = 180.0) -> list[Any]:
+    """``n`` multimodal requests of the example's workload at ``rate``/s, open loop, through ``url``.
+
+    Each request has its own deadline (`timeout_s`): a request that hangs shows up as a
+    ``TimeoutError`` outcome instead of stalling the test. Each request opens its own connection
+    (``force_close``): a Service balances connections, not requests, so a kept-alive connection
+    would stay pinned to a pod after it started terminating (kube-proxy behaves the same).
+    Returns the `Outcome`s (record, expected token count, tokens)."""
+    import asyncio
+
+    import aiohttp
+    from easerve_runtime.api import load_manifest
+    from easerve_runtime.bench.load import fetch_model, one_request
+    from easerve_runtime.bench.payloads import chat_body
+    from easerve_runtime.workload import generate
+
+    _, spec = load_manifest(str(example))
+    reqs = generate(spec, rate, n, seed)
+
+    async def main() -> list[Any]:
+        timeout = aiohttp.ClientTimeout(total=timeout_s)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=True), timeout=timeout) as s:
+            model = await fetch_model(s, url)
+            bodies = [chat_body(r, model, stream=True) for r in reqs]
+            t0 = time.monotonic()
+            tasks = []
+            for i, r in enumerate(reqs):
+                delay = r.arrival_s - (time.monotonic() - t0)
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one_request(s, url, r, model, t0, bodies[i])))
+            return list(await asyncio.gather(*tasks))
+
+    return asyncio.run(main())
+
+
+def harness_processes(octet: int, namespace: str | None = None) -> list[int]:
+    """Every process on this machine started by a ProcessRunner with this pod octet (read from
+    /proc: the runner's own table could miss a leak), optionally only those of one namespace."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            env = (d / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        mine = any(e.startswith(f"EASERVE_HARNESS_POD_IP=127.{octet}.".encode()) for e in env)
+        if mine and (namespace is None or any(e.startswith(f"EASERVE_HARNESS_POD={namespace}/".encode()) for e in env)):
+            out.append(int(d.name))
+    return out
