@@ -286,3 +286,47 @@ def test_parse_report_takes_the_last_json_report():
     assert parse_report(log) == {"throughput": 2.0, "completed": 3}
     assert parse_report("no json here") is None
     assert parse_report('{"throughput": 1.0, "x": [1, {"a": 2}]}') == {"throughput": 1.0, "x": [1, {"a": 2}]}
+
+
+def test_cli_cluster_backend_runs_the_search_through_the_kube_runner(tmp_path, monkeypatch, capsys):
+    """``easerve tune --backend cluster``: same search and report, trials from the cluster runner."""
+    import easerve_operator.tuning.prometheus as prom
+    import easerve_operator.tuning.runners.kube as kube
+    from easerve_operator.cli import main
+
+    clock = Clock()
+    made: list[FakeCluster] = []
+
+    class CliCluster(FakeCluster):
+        def __init__(self) -> None:
+            super().__init__(clock, ready_after=0, run_s=0.0)
+            made.append(self)
+
+        def owner_uid(self, namespace: str, name: str) -> str | None:
+            assert (namespace, name) == ("ns", "ultravox-v0.6-27b")
+            return UID
+
+    def scorer(url: str, selector: Mapping[str, str]) -> SyntheticPrometheus:
+        assert url == "http://prom:9090" and selector["namespace"] == "ns"
+        return SyntheticPrometheus(made[0])(selector["epd_deployment"])
+
+    monkeypatch.setattr(kube, "KubeTrialCluster", CliCluster)
+    monkeypatch.setattr(prom, "PrometheusScorer", scorer)
+    audio = str(Path(__file__).resolve().parents[2] / "examples" / "ultravox-v0.6-27b.yaml")
+    args = ["tune", "-f", audio, "--backend", "cluster", "--namespace", "ns", "--rate", "1"]
+    args += ["--requests", "40", "--budget", "3", "--max-batch", "4", "--s-step", "0.5"]
+    args += ["--out", str(tmp_path), "--json", "--no-progress"]
+    assert main(args) == 2  # no Prometheus URL anywhere: refused, naming the field
+    assert "--prometheus-url" in capsys.readouterr().err
+    assert main([*args, "--prometheus-url", "http://prom:9090"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["backend"] == "cluster" and out["best"] is not None and out["n_trials"] == 3
+    trials = out["cluster_trials"]
+    assert [t["name"] for t in trials] == [
+        "ultravox-v0.6-27b-t1",
+        "ultravox-v0.6-27b-t2",
+        "ultravox-v0.6-27b-t3",
+    ]
+    assert all(t["metrics_source"] == "prometheus" and "job_report" in t for t in trials)
+    assert sorted(p.name for p in (tmp_path / "trials").iterdir()) == [f"trial-{k}.json" for k in (1, 2, 3)]
+    assert made[0].objects == {}

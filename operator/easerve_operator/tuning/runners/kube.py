@@ -420,6 +420,20 @@ class KubeTrialCluster:
         self.core = client.CoreV1Api(api_client)
         self.apps = client.AppsV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+
+    def owner_uid(self, namespace: str, name: str) -> str | None:
+        """The uid of EPDDeployment ``namespace/name`` (None when it does not exist)."""
+        from easerve_runtime.api import PLURAL
+        from kubernetes.client.exceptions import ApiException
+
+        try:
+            obj = self.custom.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name)
+        except ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+        return str(obj["metadata"]["uid"])
 
     def _patch(self, obj: dict[str, Any]) -> None:
         kind, meta = obj["kind"], obj["metadata"]
