@@ -389,7 +389,8 @@ class KubeRunner:
             **crosscheck(whole.to_dict(), report),
         }
         rec["metrics_source"] = "prometheus"
-        return figures.to_trial_metrics(cost_s=self.clock() - t0)  # type: ignore[no-any-return]
+        metrics: TrialMetrics = figures.to_trial_metrics(cost_s=self.clock() - t0)
+        return metrics
 
     def _write(self, rec: dict[str, Any]) -> None:
         if self.report_dir is None:
@@ -416,11 +417,12 @@ class KubeTrialCluster:
             except config.ConfigException:
                 config.load_kube_config()
             api_client = client.ApiClient()
+        # typed Any: the generated client's models make every field Optional
         self.api = api_client
-        self.core = client.CoreV1Api(api_client)
-        self.apps = client.AppsV1Api(api_client)
-        self.batch = client.BatchV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
+        self.core: Any = client.CoreV1Api(api_client)
+        self.apps: Any = client.AppsV1Api(api_client)
+        self.batch: Any = client.BatchV1Api(api_client)
+        self.custom: Any = client.CustomObjectsApi(api_client)
 
     def owner_uid(self, namespace: str, name: str) -> str | None:
         """The uid of EPDDeployment ``namespace/name`` (None when it does not exist)."""
