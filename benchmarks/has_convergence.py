@@ -367,11 +367,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--s-step", type=float, default=0.1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "has_convergence"))
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="combine earlier has_convergence.json files (e.g. runs of single rates) into --out",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = [run_example(n, rate, args) for rate in args.rates for n in args.examples]
+    if args.merge:
+        results = []
+        for f in args.merge:
+            d = json.loads(Path(f).read_text())
+            for r in d["results"]:
+                results.append({**r, "curves": d["curves"][f"{r['example']}@{r['rate']:g}"]})
+        results.sort(key=lambda r: (r["rate"], EXAMPLES.index(r["example"])))
+    else:
+        results = [run_example(n, rate, args) for rate in args.rates for n in args.examples]
     bar: dict[str, dict[str, Any]] = {}
     for r in results:
         m = r["methods"]
@@ -386,7 +401,8 @@ def main(argv: list[str] | None = None) -> int:
             "topk_best_kept": r["stage1"]["topk_best_kept"],
         }
     report = {
-        "params": {k: v for k, v in vars(args).items() if k != "out"},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out", "merge")},
+        "merged_from": args.merge,
         "results": [{k: v for k, v in r.items() if k != "curves"} for r in results],
         "bar": bar,
         "all_meet_15": all(v["has_meets_15"] for per in bar.values() for v in per.values()),
