@@ -1,6 +1,7 @@
 """HAS convergence against Random and Coordinate search on the twin (paper §4.3, Figure 12).
 
-For each example (image, video, audio) at the target rate:
+For each example (image, video, audio) at each target rate Λ (default 2, 3, 5 and 8 req/s:
+below, near and above the examples' saturation):
 
 1. enumerate the whole discretised space (every allocation x B x s) ONCE on the twin and cache
    it: the exhaustive best is the reference, and every search below reads its trials from this
@@ -9,16 +10,20 @@ For each example (image, video, audio) at the target rate:
 2. run Stage 1 once (profiling cost charged to every HAS run);
 3. run HAS, Random and Coordinate for 10 seeds each with the same 30-trial budget and the same
    selection rule, all stop rules off (the paper's full-budget curves), and once more for HAS
-   with its stop rules on (where would it stop, and how good is that);
+   with its stop rules on (where would it stop, and how good is that). ``has-topk`` is HAS with
+   the old Stage-1 rule (top K by score, unsaturated allocations not exempt), from the same
+   profile: the ablation of issue 13's must-hold 6;
 4. report per method the trials, device time and twin wall time needed to reach 90/95/99% of
    the exhaustive best (median over seeds; "not reached" counts as missing), and how many
    allocations Stage 1 kept of how many.
 
-    python benchmarks/has_convergence.py            # all three examples, 10 seeds
-    python benchmarks/has_convergence.py --examples llava-v1.6-34b --seeds 3 --requests 100
+    python benchmarks/has_convergence.py            # all three examples, Λ = 2, 3, 5, 8, 10 seeds
+    python benchmarks/has_convergence.py --examples llava-v1.6-34b --rates 3 --seeds 3 --requests 100
 
 Prints JSON on stdout, progress on stderr, writes has_convergence.json and has_convergence.png
-to --out (default benchmarks/out/has_convergence/).
+to --out (default benchmarks/out/has_convergence/). The exhaustive tables are cached there per
+(example, Λ) as exhaustive-<example>-r<Λ>.json; building one costs 880 twin runs (about 1 min
+on an idle core, 30 min on the shared 2-core host under load).
 """
 
 from __future__ import annotations
@@ -33,7 +38,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ("llava-v1.6-34b", "qwen2.5-vl-32b", "ultravox-v0.6-27b")
-METHODS = ("has", "random", "coordinate")
+# has-topk: HAS with the old Stage-1 rule (top K by capacity score, unsaturated allocations not
+# exempt; issue 13 must-hold 6), as an ablation beside the current rule
+METHODS = ("has", "has-topk", "random", "coordinate")
 THRESHOLDS = (0.90, 0.95, 0.99)
 
 
@@ -116,16 +123,16 @@ def median_or_none(xs: list[float | None]) -> float | None:
     return None if m == float("inf") else m
 
 
-def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_example(name: str, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     from easerve_operator.tuning.loop import StopRules
     from easerve_operator.tuning.runners.sim import SimStageProfiler
     from easerve_operator.tuning.search import tune
     from easerve_operator.tuning.space import space_for
-    from easerve_operator.tuning.stage1 import run_stage1
+    from easerve_operator.tuning.stage1 import decide, run_stage1
     from easerve_runtime.api import load_manifest
 
     spec = load_manifest(ROOT / "examples" / f"{name}.yaml")[1]
-    profiler = SimStageProfiler(spec, rate=args.rate)
+    profiler = SimStageProfiler(spec, rate=rate)
     space = space_for(
         spec,
         profiler.min_tp(),
@@ -135,18 +142,28 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
     )
     t0 = time.perf_counter()
     table = exhaustive(
-        spec, space, args.rate, args.requests, args.workload_seed, Path(args.out) / f"exhaustive-{name}.json"
+        spec,
+        space,
+        rate,
+        args.requests,
+        args.workload_seed,
+        Path(args.out) / f"exhaustive-{name}-r{rate:g}.json",
     )
     exhaustive_wall = sum(r["wall_s"] for r in table.values())
     vals = {k: r["metrics"]["throughput"] for k, r in table.items() if r["metrics"] is not None}
     best_id = max(vals, key=lambda k: vals[k])
     best = vals[best_id]
+    per_alloc: dict[str, float] = {}
+    for k, v in vals.items():
+        a = k.split("|")[0]
+        per_alloc[a] = max(per_alloc.get(a, 0.0), v / best)
     t1 = time.perf_counter()
-    stage1 = run_stage1(profiler, space, args.rate)
+    stage1 = run_stage1(profiler, space, rate)
+    stage1_topk = decide(stage1.capacities, space, rate, saturation=0.0, wall_s=stage1.wall_s)
     stage1_wall = time.perf_counter() - t1
     stage1_dev = stage1.capacities.parallel_cost_s
     print(
-        f"[{name}] space {space.size} points, exhaustive best {best:.4f} at {best_id} "
+        f"[{name} Λ={rate:g}] space {space.size} points, exhaustive best {best:.4f} at {best_id} "
         f"(table {time.perf_counter() - t0:.0f} s); Stage 1 kept {len(stage1.seeds)} of {len(stage1.rows)}",
         file=sys.stderr,
     )
@@ -163,17 +180,17 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 runner=TableRunner(table, clock),
                 profiler=profiler,
                 space=space,
-                rate=args.rate,
-                method=method,
+                rate=rate,
+                method="has" if method.startswith("has") else method,
                 rules=free,
                 seed=seed,
                 workload_seed=args.workload_seed,
                 requests=args.requests,
-                stage1=stage1 if method == "has" else None,
+                stage1={"has": stage1, "has-topk": stage1_topk}.get(method),
                 clock=clock,
             )
             trace = res.convergence()
-            extra_wall = stage1_wall if method == "has" else 0.0
+            extra_wall = stage1_wall if method.startswith("has") else 0.0
             for p in trace:
                 p["wall_s"] += extra_wall
                 p["frac"] = None if p["best"] is None else p["best"] / best
@@ -204,7 +221,7 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
         s["median_final_frac"] = statistics.median(p["final_frac"] or 0.0 for p in per_seed)
         summary[method] = s
         print(
-            f"[{name}] {method}: median trials to 90/95/99% = "
+            f"[{name} Λ={rate:g}] {method}: median trials to 90/95/99% = "
             f"{s['median_trials_to_90']}/{s['median_trials_to_95']}/{s['median_trials_to_99']}, "
             f"seeds reaching 99%: {s['seeds_reaching_99']}/{args.seeds}",
             file=sys.stderr,
@@ -217,7 +234,7 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
             runner=TableRunner(table, VirtualClock()),
             profiler=profiler,
             space=space,
-            rate=args.rate,
+            rate=rate,
             method="has",
             rules=StopRules(budget=args.budget),
             seed=seed,
@@ -245,13 +262,22 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     return {
         "example": name,
-        "rate": args.rate,
+        "rate": rate,
         "space": space.to_dict(),
-        "exhaustive": {"best": best, "config": best_id, "points": len(table), "twin_wall_s": exhaustive_wall},
+        "exhaustive": {
+            "best": best,
+            "config": best_id,
+            "top_per_allocation": per_alloc,
+            "points": len(table),
+            "twin_wall_s": exhaustive_wall,
+        },
         "stage1": {
             "kept": len(stage1.seeds),
             "of": len(stage1.rows),
             "survivors": [a.label for a in stage1.survivors],
+            "best_kept": best_id.split("|")[0] in {a.label for a in stage1.survivors},
+            "topk_kept": len(stage1_topk.seeds),
+            "topk_best_kept": best_id.split("|")[0] in {a.label for a in stage1_topk.survivors},
             "table": [r.to_dict() for r in stage1.rows],
             "device_s": stage1_dev,
             "wall_s": stage1_wall,
@@ -263,65 +289,72 @@ def run_example(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]], path: Path, budget: int) -> None:
+    """One panel per (rate, example): the median best-so-far curve of each method.
+
+    The legend gives each method's median trials to 99% ("x" = not reached within the budget).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    n = len(results)
-    fig, axes = plt.subplots(2, n, figsize=(5 * n, 7.5), squeeze=False)
-    colors = {"has": "tab:blue", "random": "tab:orange", "coordinate": "tab:green"}
-    for j, r in enumerate(results):
-        ax = axes[0][j]
+    examples = list(dict.fromkeys(r["example"] for r in results))
+    rates = sorted({r["rate"] for r in results})
+    fig, axes = plt.subplots(
+        len(rates), len(examples), figsize=(5 * len(examples), 3.4 * len(rates)), squeeze=False
+    )
+    colors = {
+        "has": "tab:blue",
+        "has-topk": "lightsteelblue",
+        "random": "tab:orange",
+        "coordinate": "tab:green",
+    }
+    for r in results:
+        ax = axes[rates.index(r["rate"])][examples.index(r["example"])]
+        xs = list(range(1, budget + 1))
         for m in METHODS:
-            trs = r["curves"][m]
-            xs = list(range(1, budget + 1))
+            trs = [tr for tr in r["curves"][m] if tr]
             med = []
             for k in range(budget):
-                col = [(tr[k] if k < len(tr) else tr[-1]) or 0.0 for tr in trs if tr]
+                col = [(tr[k] if k < len(tr) else tr[-1]) or 0.0 for tr in trs]
                 med.append(statistics.median(col) if col else 0.0)
-            ax.plot(xs, [100 * v for v in med], drawstyle="steps-post", color=colors[m], label=m)
+            t99 = r["methods"][m]["median_trials_to_99"]
+            label = f"{m}: 99% in {'x' if t99 is None else f'{t99:g}'}"
+            ax.plot(
+                xs,
+                [100 * v for v in med],
+                drawstyle="steps-post",
+                color=colors[m],
+                ls="--" if m == "has-topk" else "-",
+                label=label,
+            )
         for f in THRESHOLDS:
             ax.axhline(100 * f, color="grey", lw=0.6, ls=":")
-        ax.set_ylim(max(0, min(80, ax.get_ylim()[0])), 101)
+        ax.axvline(15, color="grey", lw=0.6, ls="--")
+        ax.set_ylim(max(0, min(85, ax.get_ylim()[0])), 100.5)
         ax.set_title(
-            f"{r['example']} (Λ={r['rate']:g}); Stage 1 kept {r['stage1']['kept']}/{r['stage1']['of']}"
+            f"{r['example']} Λ={r['rate']:g}; Stage 1 kept {r['stage1']['kept']}/{r['stage1']['of']}",
+            fontsize=9,
         )
         ax.set_xlabel("trial")
-        ax.set_ylabel("median best so far, % of exhaustive best")
-        ax.legend(loc="lower right")
+        ax.set_ylabel("median best so far, % of best", fontsize=8)
+        ax.legend(loc="lower right", fontsize=7)
         ax.grid(alpha=0.3)
-        ax = axes[1][j]
-        width = 0.25
-        for i, m in enumerate(METHODS):
-            s = r["methods"][m]
-            ys = [s[f"median_trials_to_{int(f * 100)}"] for f in THRESHOLDS]
-            xs = [k + (i - 1) * width for k in range(len(THRESHOLDS))]
-            ax.bar(
-                xs,
-                [budget + 2 if y is None else y for y in ys],
-                width,
-                color=colors[m],
-                label=m,
-                hatch=None,
-                alpha=0.9,
-            )
-            for x, y in zip(xs, ys, strict=True):
-                if y is None:
-                    ax.text(x, budget + 2.3, "x", ha="center", color=colors[m])
-        ax.set_xticks(range(len(THRESHOLDS)), [f"{int(f * 100)}%" for f in THRESHOLDS])
-        ax.axhline(budget, color="grey", lw=0.6, ls="--")
-        ax.set_ylabel(f"median trials to reach (x = not reached in {budget})")
-        ax.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", nargs="+", default=list(EXAMPLES))
-    ap.add_argument("--rate", type=float, default=5.0, help="Λ (the paper's §4.3 uses 5 req/s)")
+    ap.add_argument(
+        "--rates",
+        nargs="+",
+        type=float,
+        default=[2.0, 3.0, 5.0, 8.0],
+        help="target rates Λ (req/s); the paper's §4.3 uses 5",
+    )
     ap.add_argument("--seeds", type=int, default=10)
     ap.add_argument("--budget", type=int, default=30)
     ap.add_argument(
@@ -334,27 +367,51 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=16)
     ap.add_argument("--s-step", type=float, default=0.1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "out" / "has_convergence"))
+    ap.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="JSON",
+        help="combine earlier has_convergence.json files (e.g. runs of single rates) into --out",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    results = [run_example(n, args) for n in args.examples]
+    if args.merge:
+        results = []
+        for f in args.merge:
+            d = json.loads(Path(f).read_text())
+            for r in d["results"]:
+                results.append({**r, "curves": d["curves"][f"{r['example']}@{r['rate']:g}"]})
+        results.sort(key=lambda r: (r["rate"], EXAMPLES.index(r["example"])))
+    else:
+        results = [run_example(n, rate, args) for rate in args.rates for n in args.examples]
+    bar: dict[str, dict[str, Any]] = {}
+    for r in results:
+        m = r["methods"]
+        bar.setdefault(r["example"], {})[f"{r['rate']:g}"] = {
+            "has_median_trials_to_99": m["has"]["median_trials_to_99"],
+            "has_meets_15": (m["has"]["median_trials_to_99"] or 99) <= 15,
+            "has_topk_median_trials_to_99": m["has-topk"]["median_trials_to_99"],
+            "random_median_trials_to_99": m["random"]["median_trials_to_99"],
+            "coordinate_median_trials_to_99": m["coordinate"]["median_trials_to_99"],
+            "stage1_kept": r["stage1"]["kept"],
+            "exhaustive_best_kept": r["stage1"]["best_kept"],
+            "topk_best_kept": r["stage1"]["topk_best_kept"],
+        }
     report = {
-        "params": {k: v for k, v in vars(args).items() if k != "out"},
+        "params": {k: v for k, v in vars(args).items() if k not in ("out", "merge")},
+        "merged_from": args.merge,
         "results": [{k: v for k, v in r.items() if k != "curves"} for r in results],
-        "bar": {
-            r["example"]: {
-                "has_median_trials_to_99": r["methods"]["has"]["median_trials_to_99"],
-                "has_meets_15": (r["methods"]["has"]["median_trials_to_99"] or 99) <= 15,
-                "random_median_trials_to_99": r["methods"]["random"]["median_trials_to_99"],
-                "coordinate_median_trials_to_99": r["methods"]["coordinate"]["median_trials_to_99"],
-            }
-            for r in results
-        },
+        "bar": bar,
+        "all_meet_15": all(v["has_meets_15"] for per in bar.values() for v in per.values()),
         "wall_s": time.perf_counter() - t0,
     }
     (out / "has_convergence.json").write_text(
-        json.dumps({**report, "curves": {r["example"]: r["curves"] for r in results}}, indent=1)
+        json.dumps(
+            {**report, "curves": {f"{r['example']}@{r['rate']:g}": r["curves"] for r in results}}, indent=1
+        )
     )
     plot(results, out / "has_convergence.png", args.budget)
     print(json.dumps(report, indent=1))

@@ -180,3 +180,40 @@ def test_local_workers_spanning_several_encode_gpus():
     # decide() carries the space's local_tp into the scores
     res = decide(caps(), SearchSpace((A, E), local_tp=2), 5.0)
     assert {r.alloc: r.cap_p for r in res.rows} == pytest.approx({A: 1.95, E: 2.4})
+
+
+def test_unsaturated_allocations_are_never_pruned():
+    # Λ = 1: every allocation carries Λ (max ρ = 1/1.9 = 0.53 at worst), so all five survive
+    # even with K = 1: below saturation the capacity score cannot rank them (latency decides).
+    rows = score_allocations([A, B, C, D, E], caps(), 1.0, top_k=1)
+    assert all(r.kept and "not saturated" in r.reason for r in rows)
+    # Λ = 2: A and B (score 2/2.4 = 0.83) are unsaturated; C, D, E are D-bound at 2/1.9 = 1.05,
+    # above saturation and above 1.2 x 0.83 = 1.0, so pruned by the old rule's factor.
+    rows = score_allocations([A, B, C, D, E], caps(), 2.0, top_k=1)
+    assert {r.alloc for r in rows if r.kept} == {A, B}
+    assert all("1.2x best" in r.reason for r in rows if not r.kept)
+    # saturation=0 restores the pure top-K rule
+    rows = score_allocations([A, B, C, D, E], caps(), 1.0, top_k=1, saturation=0.0)
+    assert [r.alloc for r in rows if r.kept] == [B]
+
+
+def test_twin_image_at_rate_3_keeps_the_exhaustive_best():
+    # The twin's Stage-1 capacities for llava-v1.6-34b at Λ = 3 (benchmarks/has_convergence.py).
+    # The exhaustive best there is A = 2E-1P(tp2)-1D(tp4) (2.910 req/s; the other allocations
+    # 2.843-2.851): its TP-4 decode shortens the drain. Its score 3/4.213 = 0.712 ranks it 4th
+    # of 5, so the top-K rule alone pruned it.
+    twin = StageCapacities(
+        c_e=74.047,
+        b_sat=2,
+        encode_curve=((1, 62.009), (2, 71.268), (4, 74.047)),
+        c_p={2: 2.14988, 4: 2.88506},
+        c_d={2: 4.65069, 4: 16.53063},
+        alpha=0.95954,
+        alpha_source="profile",
+    )
+    rows = score_allocations([A, B, C, D, E], twin, 3.0, local_tp=2)
+    assert [r.alloc for r in rows].index(A) == 3
+    assert rows[3].score == pytest.approx(3 / (2.14988 + 0.95954 * 2.14988), rel=1e-6)
+    assert all(r.kept for r in rows)
+    old = score_allocations([A, B, C, D, E], twin, 3.0, local_tp=2, saturation=0.0)
+    assert not next(r for r in old if r.alloc == A).kept

@@ -1,6 +1,15 @@
 """``easerve tune``: run HAS (or a baseline) for a deployment file and report why it chose what.
 
     easerve tune -f examples/llava-v1.6-34b.yaml --backend sim --rate 5 --budget 30 --json
+    easerve tune -f examples/llava-v1.6-34b.yaml --backend cluster --namespace ns \
+        --prometheus-url http://prometheus:9090 --rate 2 --budget 6
+
+``--backend cluster`` runs every trial on the current kube context (``runners.kube.KubeRunner``:
+the trial rolled out as the deployment's children, a load Job, the score from Prometheus) with
+the same search, progress bar and report; each trial's Prometheus figures, the load Job's own
+report and the phase times are in ``<out>/trials/trial-<n>.json`` and in the report under
+``cluster_trials``. Stage 1 still reads the engine profile through the twin's profiler: the
+cluster profiling Jobs are not built yet.
 
 Shows a progress bar on stderr (trial k/N, best so far), prints the chosen (allocation, B, s)
 with its metrics and the Stage-1 table (every allocation, its capacities and score, kept or
@@ -21,7 +30,12 @@ HELP = "Search the deployment configuration (allocation, encode batch bound B, o
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--file", required=True, help="EPDDeployment manifest (YAML).")
-    parser.add_argument("--backend", choices=["sim"], default="sim", help="Trial backend: sim (the twin).")
+    parser.add_argument(
+        "--backend",
+        choices=["sim", "cluster"],
+        default="sim",
+        help="Trial backend: sim (the twin) or cluster (the current kube context, scored from Prometheus).",
+    )
     parser.add_argument(
         "--rate", type=float, default=None, help="Λ, req/s (default: spec.tuning.targetRate)."
     )
@@ -57,6 +71,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--fresh", action="store_true", help="Discard records already in --out and start over."
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON on stdout.")
+    cl = parser.add_argument_group("cluster backend")
+    cl.add_argument(
+        "--namespace", default=None, help="Namespace of the trials (default: the manifest's, else default)."
+    )
+    cl.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="Prometheus base URL (default: spec.observability.prometheusUrl).",
+    )
+    cl.add_argument(
+        "--prometheus-label",
+        default="epd_deployment",
+        help="Prometheus label holding the trial's name (the chart's PodMonitor: epd_deployment).",
+    )
+    cl.add_argument(
+        "--ready-timeout", type=float, default=600.0, help="Seconds a trial may take to get ready."
+    )
+    cl.add_argument(
+        "--warmup", type=float, default=0.1, help="Fraction of each trial's run cut off as warm-up (0.1)."
+    )
+    cl.add_argument(
+        "--trace", default=None, help="JSONL trace the load Job replays instead of Poisson arrivals."
+    )
     parser.add_argument("--no-progress", action="store_true", help="No progress bar.")
 
 
@@ -136,6 +173,61 @@ def plot_convergence(result: Any, path: Path) -> None:
     plt.close(fig)
 
 
+def manifest_namespace(path: str) -> str | None:
+    import yaml
+
+    for d in yaml.safe_load_all(Path(path).read_text()):
+        if d and d.get("kind") == "EPDDeployment":
+            ns = (d.get("metadata") or {}).get("namespace")
+            return None if ns is None else str(ns)
+    return None
+
+
+def cluster_runner(args: argparse.Namespace, name: str, spec: Any, out: Path) -> Any:
+    """The ``KubeRunner`` for ``--backend cluster`` on the current kube context.
+
+    Trials are owner-referenced to the EPDDeployment ``name`` when it exists in the namespace
+    (deleting it deletes them), else only labelled. The first trial number follows the trials
+    already recorded in ``--out`` (a resumed search never reuses a name).
+    """
+    from easerve_operator.tuning.prometheus import PrometheusScorer
+    from easerve_operator.tuning.records import RecordStore
+    from easerve_operator.tuning.runners.kube import KubeRunner, KubeTrialCluster
+
+    url = args.prometheus_url or spec.observability.prometheus_url
+    if not url:
+        raise ValueError("--prometheus-url: not given and spec.observability.prometheusUrl is not set")
+    if not 0.0 <= args.warmup < 1.0:
+        raise ValueError(f"--warmup: must be in [0, 1), got {args.warmup}")
+    if args.ready_timeout <= 0:
+        raise ValueError(f"--ready-timeout: must be > 0, got {args.ready_timeout}")
+    namespace = args.namespace or manifest_namespace(args.file) or "default"
+    trace = Path(args.trace).read_text() if args.trace else None
+    cluster = KubeTrialCluster()
+    uid = cluster.owner_uid(namespace, name)
+    if uid is None:
+        print(
+            f"easerve tune: EPDDeployment {namespace}/{name} not found: trials are labelled, not owned",
+            file=sys.stderr,
+        )
+    store = RecordStore(out)
+    done = len(store.load()[2]) if args.resume and store.exists() else 0
+    return KubeRunner(
+        cluster=cluster,
+        deployment=name,
+        namespace=namespace,
+        uid=uid,
+        scorer_for=lambda trial: PrometheusScorer(
+            url, {"namespace": namespace, args.prometheus_label: trial}
+        ),
+        trace=trace,
+        ready_timeout_s=args.ready_timeout,
+        warmup_fraction=args.warmup,
+        first_trial=done + 1,
+        report_dir=out / "trials",
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     from easerve_runtime.api import load_manifest, spec_errors
     from pydantic import ValidationError
@@ -179,6 +271,13 @@ def run(args: argparse.Namespace) -> int:
     if store.exists() and not args.resume:
         return _fail(f"--out: {store.path} already holds a search; pass --resume to continue it or --fresh")
 
+    runner: Any = SimRunner()
+    if args.backend == "cluster":
+        try:
+            runner = cluster_runner(args, name, spec, out)
+        except (OSError, ValueError) as exc:
+            return _fail(str(exc))
+
     try:
         profiler = SimStageProfiler(spec, rate=rate)  # loads the profile: a SpecError names the field
         space = space_for(
@@ -208,7 +307,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         result = tune(
             spec,
-            runner=SimRunner(),
+            runner=runner,
             profiler=profiler,
             space=space,
             rate=rate,
@@ -229,6 +328,8 @@ def run(args: argparse.Namespace) -> int:
             bar.close()
 
     report = {"name": name, "file": str(args.file), "backend": args.backend, **result.to_dict()}
+    if args.backend == "cluster":
+        report["cluster_trials"] = runner.history
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     plot_convergence(result, out / "convergence.png")
     if args.json:

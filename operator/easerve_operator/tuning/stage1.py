@@ -14,8 +14,16 @@ Definitions (issue 5; the paper's Eq. 4 and Algorithm 1 are missing from our cop
   when the backbone fits one GPU; one per ``local_tp`` encode GPUs when it needs TP
   ``local_tp``, as on the twin), else 0.
 - ρ_x = Λ / Cap_x; score = max_x ρ_x (lower is better).
-- keep allocations with score ≤ 1.2 × best score, then at most the best K = 3 (equal scores are
+- keep every allocation that is not saturated (score ≤ 1: each stage carries Λ); of the rest,
+  keep those with score ≤ 1.2 × best score, up to K = 3 survivors in all (equal scores are
   ordered by the other stages' load ratios, largest first: see ``score_allocations``).
+
+Why unsaturated allocations are never pruned (issue 13, must-hold 6): below saturation every
+such allocation delivers Λ in steady state, and what separates them is latency (queueing and
+service time: a TP-4 decode worker emits tokens faster and so shortens the drain), which
+per-stage capacities cannot see. The capacity score only ranks what it can: starvation. On the
+twin, image example at Λ = 3, the old rule (top K by score) pruned 2E-1P(tp2)-1D(tp4), the
+exhaustive best, as "beyond top K" although its score was 0.71.
 - seeds: B ∈ [1, B_max(a)], B_max(a) = ⌈Λ / n_E⌉; s centred on
   s*(a) = C_remote / (C_remote + C_local) with C_remote = n_P·C_P, C_local = n_L·α·C_P,
   window ±0.2 clipped to [0, 1].
@@ -41,6 +49,7 @@ DEFAULT_ALPHA = 0.3
 SATURATION_GAIN = 0.05
 PRUNE_FACTOR = 1.2
 TOP_K = 3
+SATURATION = 1.0
 S_WINDOW = 0.2
 MAX_PROFILE_BATCH = 256
 
@@ -244,10 +253,14 @@ def score_allocations(
     local_tp: int = 1,
     prune_factor: float = PRUNE_FACTOR,
     top_k: int = TOP_K,
+    saturation: float = SATURATION,
 ) -> list[Stage1Row]:
-    """Score every allocation (max ρ), prune beyond ``prune_factor``× best, keep the top K.
+    """Score every allocation (max ρ); keep the unsaturated ones and the best K within 1.2× best.
 
-    Rows come back best score first. Equal scores (allocations sharing the same starved stage,
+    An allocation with score ≤ ``saturation`` (every stage can carry Λ) is always kept: below
+    saturation the allocations differ by latency, not capacity, so the score cannot rank them
+    (see the module docstring). The others are pruned beyond ``prune_factor``× the best score
+    or once K allocations survive. Rows come back best score first. Equal scores (allocations sharing the same starved stage,
     common when one decode worker bounds several layouts) are ordered by the remaining load
     ratios, largest first (leximax): of two allocations with the same bottleneck, the one whose
     next-busiest stage has more headroom is better balanced. Remaining ties go to fewer GPUs,
@@ -268,7 +281,10 @@ def score_allocations(
     kept = 0
     for score, a, (ce, cp, cd), rho in scored:
         bottleneck = max(rho, key=lambda k: rho[k])
-        if score > prune_factor * best:
+        if score <= saturation:
+            kept += 1
+            ok, why = True, f"rank {kept}: not saturated (score {score:.3f} <= {saturation:g})"
+        elif score > prune_factor * best:
             ok, why = False, f"score {score:.3f} > {prune_factor:g}x best {best:.3f} ({bottleneck} starved)"
         elif kept >= top_k:
             ok, why = False, f"within {prune_factor:g}x of best but beyond top K={top_k}"
@@ -394,6 +410,7 @@ def decide(
     *,
     prune_factor: float = PRUNE_FACTOR,
     top_k: int = TOP_K,
+    saturation: float = SATURATION,
     wall_s: float = 0.0,
 ) -> Stage1Result:
     """Score, prune and seed over ``space``'s allocations from measured capacities (pure)."""
@@ -410,6 +427,7 @@ def decide(
         local_tp=space.local_tp,
         prune_factor=prune_factor,
         top_k=top_k,
+        saturation=saturation,
     )
     seeds = tuple(seed_range(r.alloc, caps, rate, space) for r in rows if r.kept)
     return Stage1Result(caps, tuple(rows), seeds, rate, wall_s)
@@ -422,9 +440,12 @@ def run_stage1(
     *,
     prune_factor: float = PRUNE_FACTOR,
     top_k: int = TOP_K,
+    saturation: float = SATURATION,
     clock: Callable[[], float] = time.perf_counter,
 ) -> Stage1Result:
     """Profile (concurrently), then ``decide``."""
     tps = sorted({a.prefill_tp for a in space.allocations} | {a.decode_tp for a in space.allocations})
     caps, wall = profile_stages(profiler, tps, clock=clock)
-    return decide(caps, space, rate, prune_factor=prune_factor, top_k=top_k, wall_s=wall)
+    return decide(
+        caps, space, rate, prune_factor=prune_factor, top_k=top_k, saturation=saturation, wall_s=wall
+    )

@@ -120,15 +120,20 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(1)
 
+    import time
+
     try:
         outcomes, duration = asyncio.run(run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout))
+        finished_at = time.time()
     except OSError as exc:
         return _fail(f"--url {args.url}: {exc}")
     finally:
         if bar is not None:
             bar.close()
     rep = report(outcomes, duration, slo)
+    # wall-clock edges of the run (unix s): a scorer reading Prometheus uses the same window
     rep.update({"url": args.url, **workload_meta(args, [r.arrival_s for r in reqs])})
+    rep.update({"started_at": finished_at - duration, "finished_at": finished_at})
     if args.json:
         print(json.dumps(rep, indent=1, sort_keys=True))
     else:
