@@ -51,6 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 from conftest import EXAMPLES
 from easerve_operator.cli import COMMANDS, _load
 from easerve_runtime.api import load_manifest
@@ -150,8 +151,12 @@ def test_twin_agrees_with_live_runtime(name: str, tmp_path: Path) -> None:
     text = EXAMPLES[pt.example].read_text()
     text = text.replace("ratio: 0.5", "ratio: 1.0").replace("mode: dynamic", "mode: none")
     text = text.replace("backend: etcd", "backend: file")
+    # the twin models no admission control: the live frontend must admit every request too (near
+    # saturation its bounded queue would refuse some with 429, which is what it is for in service)
+    doc = yaml.safe_load(text)
+    doc["spec"]["limits"] = {"maxQueuedRequests": 1_000_000}
     spec_path = tmp_path / "agree.yaml"
-    spec_path.write_text(text)
+    spec_path.write_text(yaml.safe_dump(doc, sort_keys=False))
     _, spec = load_manifest(spec_path)
     assert spec.offload.ratio == 1.0
     kw = {"text": TextLengths(prompt_mean=pt.prompt_mean)} if pt.prompt_mean else {}
