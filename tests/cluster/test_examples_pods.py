@@ -48,8 +48,10 @@ def test_disaggregated_example_runs_and_serves(pods_cluster: PodsCluster, exampl
 
 
 def test_omni_example_runs_and_serves(pods_cluster: PodsCluster) -> None:
-    from easerve_operator.render.omni import STAGE
     from easerve_operator.render.stages import stage_name
+    from easerve_runtime.api import Stage
+
+    STAGE = str(Stage.OMNI)  # the omni pod's stage label and Service suffix (topology)
 
     c = pods_cluster
     path = REPO / "examples" / "qwen2.5-omni.yaml"

@@ -106,3 +106,12 @@ def test_expired_watch_relists_and_reports_what_vanished_meanwhile() -> None:
         assert cm.lists == 2 and inf.children(("team", "app")) == {}
     finally:
         inf.stop()
+
+
+def test_a_kopf_namespace_glob_is_watched_cluster_wide() -> None:
+    """``--namespace 'team-*'`` is a kopf glob; the API lists a literal namespace or all of them."""
+    from easerve_operator.reconcile.handlers import watched_namespaces
+
+    assert watched_namespaces([]) is None
+    assert watched_namespaces(["team-*"]) is None
+    assert watched_namespaces(["a", "b"]) == ["a", "b"]

@@ -235,6 +235,15 @@ def _render_with_defaults(name: str, namespace: str, uid: str, spec: Any) -> lis
     return render_children(name, namespace, uid, with_operator_defaults(spec, OPTIONS.defaults))
 
 
+def watched_namespaces(namespaces: list[str]) -> list[str] | None:
+    """The namespaces our own watches list, or None for all of them. kopf takes globs
+    (``--namespace 'team-*'``); the API lists one literal namespace or all, so a glob is watched
+    cluster-wide: children of namespaces kopf does not serve have no owner here and are ignored."""
+    if not namespaces or any(ch in ns for ns in namespaces for ch in "*?[!"):
+        return None
+    return list(namespaces)
+
+
 # ----------------------------------------------------------------------------------- admission
 def validate(spec: kopf.Spec, name: str | None = None, **_: Any) -> None:
     """Refuse an invalid spec (or a name whose labels cannot be applied) at ``kubectl apply`` time,
@@ -272,13 +281,13 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: ko
     memo.read = LoopReader(asyncio.get_running_loop())
     if "informer" not in memo:
         memo.informer = ChildInformer(
-            kube_sources(new_api_client(), f"{MANAGED_KEY}={MANAGED_VALUE}", OPTIONS.namespaces or None),
+            kube_sources(new_api_client(), f"{MANAGED_KEY}={MANAGED_VALUE}", watched_namespaces(OPTIONS.namespaces)),
             OWNER_LABEL,
             on_change=_on_child_change(memo, owners),
             is_known=memo.reconciler.seen,
         ).start()
     if "sweeper" not in memo:
-        memo.sweeper = CapacitySweeper(memo, owners, OPTIONS.namespaces or None).start()
+        memo.sweeper = CapacitySweeper(memo, owners, watched_namespaces(OPTIONS.namespaces)).start()
     settings.persistence.diffbase_storage = kopf.StatusDiffBaseStorage()
     settings.persistence.progress_storage = kopf.StatusProgressStorage()
     settings.persistence.finalizer = FINALIZER
