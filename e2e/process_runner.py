@@ -666,6 +666,15 @@ class ProcessRunner:
             mounts,
             key=lambda sm: (any(under(x, sm[1]["mountPath"]) for x in sources), sm[1]["mountPath"].count("/")),
         )
+        # host paths the process itself needs (this checkout, its editable install, the harness's
+        # sitecustomize, PYTHONPATH): a volume mounted over them (an emptyDir at /tmp over a
+        # checkout in /tmp) would hide them, so they are stashed first and bound back last
+        keep = [str(Path(__file__).resolve().parents[1]), str(SITE_DIR)]
+        keep += [x for x in os.environ.get("PYTHONPATH", "").split(os.pathsep) if x]
+        covered = sorted({k for k in keep if os.path.isdir(k) and any(under(k, m["mountPath"]) for _, m in mounts)})
+        stash = "/run/easerve-harness-keep"
+        for i, k in enumerate(covered):
+            lines.append(f"mkdir -p {stash}/{i} && mount --bind {shlex.quote(k)} {stash}/{i}")
         for src, m in mounts:
             dst = m["mountPath"]
             s = src / m["subPath"] if m.get("subPath") else src
@@ -676,6 +685,8 @@ class ProcessRunner:
             lines.append(f"mount --bind {shlex.quote(str(s))} {shlex.quote(dst)}")
             if m.get("readOnly"):
                 lines.append(f"mount -o remount,bind,ro {shlex.quote(dst)}")
+        for i, k in enumerate(covered):
+            lines.append(f"mkdir -p {shlex.quote(k)} && mount --bind {stash}/{i} {shlex.quote(k)}")
         lines.append('exec "$@"')
         return ["unshare", "--mount", "--propagation", "private", "/bin/sh", "-c", "\n".join(lines), "sh", *argv]
 

@@ -57,7 +57,14 @@ def test_apply_runs_every_container_as_a_process_and_serves_through_the_service(
     ns, name = llava
     pods = pods_cluster.pods(ns, name)
     containers = sum(len(p["spec"]["containers"]) for p in pods)
-    assert len(pods) == 5 and containers == 11  # 2 encode pods of 4 containers, 1 prefill, 2 decode
+    # the topology's layout: one encode pod (frontend, encode-0, encode-1, the TP-2 local prefill
+    # spanning both encode GPUs, a partition controller per GPU), 1 prefill pod, 2 decode pods
+    from easerve_runtime.api import load_manifest
+    from easerve_runtime.topology import plan
+
+    topo = plan(load_manifest(EXAMPLE)[1])
+    assert len(pods) == sum(pod.replicas for pod in topo.pods) == 4
+    assert containers == sum(pod.replicas * len(pod.processes) for pod in topo.pods) == 9
     pids = pods_cluster.runner.pids(ns)
     assert len(pids) == containers  # every container of every pod is a live process
     for p in pods:
@@ -71,7 +78,7 @@ def test_apply_runs_every_container_as_a_process_and_serves_through_the_service(
     seen: list[str] = []
     for key, env in gpu_env.items():
         assert env.get("NVIDIA_VISIBLE_DEVICES") != "all", key
-        if key.endswith(("/encode", "/prefill", "/decode")):
+        if key.endswith(("/encode-0", "/encode-1", "/prefill", "/decode")):
             devs = env["CUDA_VISIBLE_DEVICES"].split(",")
             assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"]
             seen.extend(devs)
@@ -151,7 +158,8 @@ def test_rolling_update_of_b_replaces_only_encode_pods_and_no_request_hangs(
     def rolled() -> dict[str, str] | None:
         after = {p["metadata"]["name"]: p["metadata"]["labels"]["easerve.io/stage"] for p in pods_cluster.pods(ns, name)}
         new_encode = [n for n, s in after.items() if s == "encode" and n not in before]
-        done = len(new_encode) == 2 and len(after) == len(before) and pods_cluster.pods_ready(ns, name)
+        n_encode = sum(1 for s in before.values() if s == "encode")  # every encode pod is replaced
+        done = len(new_encode) == n_encode and len(after) == len(before) and pods_cluster.pods_ready(ns, name)
         return after if done else None
 
     deadline = time.monotonic() + 180
