@@ -23,6 +23,8 @@ import contextlib
 import itertools
 import json
 import logging
+import socket
+import struct
 import threading
 import time
 from typing import Any
@@ -192,7 +194,14 @@ class KubeProxy:
                 except (OSError, TimeoutError):
                     self.connect_failures += 1
         if up is None:
-            writer.close()  # no ready endpoint: the connection is refused, as kube-proxy's REJECT does
+            # no ready endpoint: kube-proxy's REJECT rule refuses the connection; the closest a
+            # listener that already accepted can come is a reset (SO_LINGER 0), not a quiet close
+            # that a client would read as a server that took the request and dropped it
+            sock = writer.get_extra_info("socket")
+            if sock is not None:
+                with contextlib.suppress(OSError):
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
             return
         ur, uw = up
 

@@ -31,6 +31,12 @@ TCP_MAX_MESSAGE = str(256 * 1024 * 1024)
 TERMINATION_GRACE_S = 60
 READINESS = {"periodSeconds": 5, "failureThreshold": 3}
 LIVENESS = {"periodSeconds": 10, "failureThreshold": 6}
+ENDPOINT_DRAIN_S = 5
+"""How long an HTTP-serving container keeps serving after its pod is marked for deletion.
+
+Kubernetes removes a terminating pod from the Service's endpoints and sends SIGTERM at the same
+time, and the endpoint removal reaches kube-proxy (or a mesh) a moment later. Without this preStop
+pause a frontend stops listening while connections are still routed to it, and those are reset."""
 
 
 def _downward(field: str) -> dict[str, Any]:
@@ -124,6 +130,8 @@ def container(config: RuntimeConfig, proc: Process) -> dict[str, Any]:
         c["resources"] = res
     if proc.probe is not None:
         c.update(probes(proc.probe))
+    if proc.http_port is not None:
+        c["lifecycle"] = {"preStop": {"exec": {"command": ["sleep", str(ENDPOINT_DRAIN_S)]}}}
     return c
 
 
@@ -136,6 +144,20 @@ def scheduling(config: RuntimeConfig) -> dict[str, Any]:
     if pod.tolerations:
         out["tolerations"] = list(pod.tolerations)
     return out
+
+
+def rollout_strategy(replicas: int) -> dict[str, Any]:
+    """How a stage's pods are replaced on an update.
+
+    Several replicas: one down at a time and no extra pod (``maxSurge 0``): GPUs are the scarce
+    resource, and the others carry the load meanwhile. One replica: the new pod first (``maxSurge
+    1, maxUnavailable 0``, Kubernetes' own default for one replica), because taking the only pod
+    down first is an outage of the stage. That update needs the pod's GPUs free once; where none
+    are, the new pod stays Pending and the old one keeps serving until they are.
+    """
+    if replicas <= 1:
+        return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}}
 
 
 def pod_spec(config: RuntimeConfig, pod: Pod) -> dict[str, Any]:
@@ -163,7 +185,7 @@ def render_deployment(config: RuntimeConfig, pod: Pod, owner: dict[str, Any], co
         "spec": {
             "replicas": pod.replicas,
             "selector": {"matchLabels": selector(name, stage)},
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+            "strategy": rollout_strategy(pod.replicas),
             "template": {
                 "metadata": {
                     "labels": labels(name, stage),
