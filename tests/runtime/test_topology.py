@@ -55,6 +55,21 @@ def test_renderer_and_launcher_run_the_topologys_processes(path: Path) -> None:
         assert [p.stage for p in procs][-1] == Stage.FRONTEND  # clients after their servers
         ports = [p.system_port for p in procs if p.system_port is not None]
         assert len(ports) == len(set(ports))
+        # GPU placement: every GPU the topology requests is owned by exactly one local process, a
+        # sharer (local prefill) sits on GPUs its pod's encode workers own, the frontend on none
+        owned = [g for p in procs if p.stage in (Stage.ENCODE, Stage.PREFILL, Stage.DECODE) for g in p.gpus]
+        assert sorted(owned) == list(range(spec.allocation.gpus))
+        for lp in (p for p in procs if p.stage == Stage.LOCAL_PREFILL):
+            assert set(lp.gpus) <= {g for p in procs if p.stage == Stage.ENCODE and p.pod == lp.pod for g in p.gpus}
+        assert all(not p.gpus for p in procs if p.stage == Stage.FRONTEND)
+
+
+def test_launcher_wraps_gpus_onto_a_smaller_host() -> None:
+    from easerve_runtime.workers.launcher import visible_devices
+
+    assert visible_devices([2, 3], 8) == "2,3"
+    assert visible_devices([2, 3], 2) == "0,1"
+    assert visible_devices([1, 3], 2) == "1"  # both wrap onto GPU 1: listed once
 
 
 @pytest.mark.parametrize("path", DISAGGREGATED, ids=lambda p: p.stem)

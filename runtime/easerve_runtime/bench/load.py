@@ -103,6 +103,7 @@ async def run_load(
     timeout_s: float = REQUEST_TIMEOUT_S,
     headers: dict[str, str] | None = None,
     on_start: Callable[[float], None] | None = None,
+    image_format: str = "png",
 ) -> tuple[list[Outcome], float]:
     """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration.
 
@@ -117,7 +118,7 @@ async def run_load(
         if model is None:
             model = await fetch_model(session, url)
         # build bodies up front so JSON/base64 work does not delay the arrival schedule
-        bodies = [chat_body(r, model, stream=True) for r in requests]
+        bodies = [chat_body(r, model, stream=True, image_format=image_format) for r in requests]
         t0 = time.monotonic()
         if on_start is not None:  # the clock arrival_s is measured on (e.g. to schedule a fault)
             on_start(t0)

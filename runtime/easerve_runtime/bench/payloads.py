@@ -5,6 +5,10 @@ preprocessor), but the load client must not spend its two cores encoding photos.
 PNG deflates to a few KB whatever its size, WAV silence at 8 kHz/8-bit is 8 KB per second, and a
 video is an MP4 ``ftyp`` box with the frame count passed alongside. Each payload is built once
 per distinct size and cached.
+
+``--image-format jpeg`` sends photo-like JPEGs instead (a smooth colour field plus grain, quality
+90, built with Pillow): what real clients send, and what the encode worker's GPU decode (nvJPEG)
+takes. It costs the client a few ms per distinct size, once.
 """
 
 from __future__ import annotations
@@ -36,6 +40,29 @@ def png(height: int, width: int) -> bytes:
     )
 
 
+@functools.lru_cache(maxsize=64)
+def jpeg(height: int, width: int) -> bytes:
+    """A photo-like RGB JPEG of the given size (seeded by the size: the same bytes every run)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(height * 100_003 + width)
+    y = np.linspace(0.0, 1.0, height, dtype=np.float32)[:, None, None]
+    x = np.linspace(0.0, 1.0, width, dtype=np.float32)[None, :, None]
+    phase = rng.uniform(0, 2 * np.pi, size=(1, 1, 3)).astype(np.float32)
+    field = 127.5 + 90.0 * np.sin(6.0 * x + 4.0 * y + phase) * np.cos(3.0 * y - 2.0 * x)
+    grain = rng.normal(0.0, 12.0, size=(height, width, 3)).astype(np.float32)
+    pixels = np.clip(field + grain, 0, 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels, "RGB").save(out, format="JPEG", quality=90)
+    return out.getvalue()
+
+
+IMAGE_FORMATS = ("png", "jpeg")
+
+
 @functools.lru_cache(maxsize=256)
 def wav(seconds: float, rate: int = 8000) -> bytes:
     """A valid mono 8-bit PCM WAV of silence lasting ``seconds``."""
@@ -58,16 +85,22 @@ def mp4() -> bytes:
 def _b64(kind: str, key: tuple[Any, ...]) -> str:
     if kind == "image":
         return base64.b64encode(png(*key)).decode()
+    if kind == "jpeg":
+        return base64.b64encode(jpeg(*key)).decode()
     if kind == "audio":
         return base64.b64encode(wav(*key)).decode()
     return base64.b64encode(mp4()).decode()
 
 
-def media_part(modality: str, media: dict[str, Any]) -> dict[str, Any] | None:
+def media_part(modality: str, media: dict[str, Any], image_format: str = "png") -> dict[str, Any] | None:
     """The OpenAI content part for one media descriptor (None for text-only requests)."""
     if modality == "image":
-        data = _b64("image", (int(media["height"]), int(media["width"])))
-        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+        if image_format not in IMAGE_FORMATS:
+            raise ValueError(f"image format {image_format!r}: one of {', '.join(IMAGE_FORMATS)}")
+        size = (int(media["height"]), int(media["width"]))
+        if image_format == "jpeg":
+            return {"type": "image_url", "image_url": {"url": f"data:image/jpeg;base64,{_b64('jpeg', size)}"}}
+        return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{_b64('image', size)}"}}
     if modality == "audio":
         return {
             "type": "input_audio",
@@ -82,13 +115,15 @@ def media_part(modality: str, media: dict[str, Any]) -> dict[str, Any] | None:
     return None
 
 
-def chat_body(req: Request, model: str, stream: bool = True, chars_per_token: int = 4) -> dict[str, Any]:
+def chat_body(
+    req: Request, model: str, stream: bool = True, chars_per_token: int = 4, image_format: str = "png"
+) -> dict[str, Any]:
     """The chat-completions body for a workload request (prompt padded to its token count)."""
     text = ("lorem " * (req.prompt_tokens * chars_per_token // 6 + 1))[
         : max(1, req.prompt_tokens * chars_per_token)
     ]
     content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    part = media_part(req.modality, req.media)
+    part = media_part(req.modality, req.media, image_format)
     if part is not None:
         content.append(part)
     body: dict[str, Any] = {

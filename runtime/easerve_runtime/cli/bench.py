@@ -21,6 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--spec", "-f", default=None, help="EPDDeployment file: its modality, and goodput per SLO tier."
     )
     parser.add_argument("--modality", default="image", choices=["image", "video", "audio", "text"])
+    parser.add_argument(
+        "--image-format", default="png", choices=["png", "jpeg"],
+        help="png: a solid colour, no client CPU (default); jpeg: photo-like JPEGs, as real clients send.",
+    )
     parser.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"], help="Arrival process.")
     parser.add_argument("--cv", type=float, default=1.0, help="Coefficient of variation for gamma arrivals.")
     parser.add_argument(
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     try:
-        outcomes, duration = asyncio.run(run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout))
+        load = run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout, image_format=args.image_format)
+        outcomes, duration = asyncio.run(load)
         finished_at = time.time()
     except OSError as exc:
         return _fail(f"--url {args.url}: {exc}")

@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -76,6 +77,8 @@ class Proc:
     """The topology's ``easerve ...`` argv (the pod's container args)."""
     partition_gpus: list[int] = field(default_factory=list)
     """Host-unique indices of the partition records it reads or writes."""
+    gpus: list[int] = field(default_factory=list)
+    """Host GPU indices it runs on (owned, then shared): ``CUDA_VISIBLE_DEVICES`` on a GPU host."""
     restarts: int = 0
 
 
@@ -133,8 +136,11 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
     topo = topology_plan(spec, hardware)
     procs: list[Proc] = []
     count: dict[str, int] = {}
+    next_gpu = 0  # pods take consecutive host GPUs, as a scheduler packing one node would
     for pod, replica in topo.replicas():
         gpus_per_pod = max(1, len({g for p in pod.processes for g in (*p.owns, *p.shares)}))
+        first_gpu = next_gpu
+        next_gpu += len({g for p in pod.processes for g in (*p.owns, *p.shares)})
         for p in pod.processes:
             stage = str(p.stage)
             index = count.get(stage, 0)
@@ -152,6 +158,7 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
                     name=p.name,
                     argv=list(p.argv),
                     partition_gpus=[replica * gpus_per_pod + g for g in p.partition_gpus],
+                    gpus=[first_gpu + g for g in (*p.owns, *p.shares)],
                 )
             )
     return sorted(procs, key=lambda p: START_ORDER[Stage(p.stage)])
@@ -172,6 +179,29 @@ def command(p: Proc, config_path: str) -> list[str]:
         rest[gpu + 1] = str(p.partition_gpus[0])
         return [sys.executable, "-c", RUN_PARTITION_CONTROLLER, *rest, "--shm-dir", SHM_DIR_TOKEN]
     raise ValueError(f"{p.name}: no local command for {args[:2]}")
+
+
+HOST_GPUS_ENV = "EASERVE_HOST_GPUS"
+
+
+def count_host_gpus() -> int:
+    """GPUs this host has: ``$EASERVE_HOST_GPUS`` if set, else ``nvidia-smi -L`` lines (0 without it)."""
+    if (n := os.environ.get(HOST_GPUS_ENV)) is not None:
+        return int(n)
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        return 0
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return sum(1 for line in out.splitlines() if line.startswith("GPU "))
+
+
+def visible_devices(gpus: list[int], host_gpus: int) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for a process placed on ``gpus``: the topology may want more GPUs than
+    the host has (a 3-stage deployment on one GPU), then they wrap and processes share a device."""
+    return ",".join(dict.fromkeys(str(g % host_gpus) for g in gpus))
 
 
 SHM_DIR_TOKEN = "{shm}"
@@ -213,6 +243,11 @@ class Launcher:
         shm = self.workdir / "shm"
         shm.mkdir(exist_ok=True)
         self._cmds: dict[int, tuple[list[str], dict[str, str]]] = {}
+        host_gpus = count_host_gpus() if str(self.spec.engine.backend) == "torch" else 0
+        wanted = len({g for p in self.procs for g in p.gpus})
+        if host_gpus and wanted > host_gpus:
+            log.warning("the deployment places %d GPUs on a host with %d: pods share GPUs (index modulo %d)",
+                        wanted, host_gpus, host_gpus)
         for i, p in enumerate(self.procs):
             env = dict(os.environ)
             env.update(
@@ -231,6 +266,8 @@ class Launcher:
                 env["DYN_SYSTEM_PORT"] = str(p.system_port)
             if p.partition_gpus:
                 env[PARTITION_GPU_ENV] = ",".join(map(str, p.partition_gpus))
+            if p.gpus and host_gpus:
+                env["CUDA_VISIBLE_DEVICES"] = visible_devices(p.gpus, host_gpus)
             env.update(self.extra_env)
             cmd = [str(shm) if a == SHM_DIR_TOKEN else a for a in command(p, str(cfg_path))]
             p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
