@@ -1,0 +1,318 @@
+"""End to end on a GPU: EAServe and a Dynamo-style configuration, each served by ``easerve serve``
+on the torch engine, loaded by ``easerve bench`` at a ladder of rates; goodput per SLO tier.
+
+What runs is the product: the launcher starts the topology's processes (frontend, encode, local
+prefill, partition controller, prefill, decode) over Dynamo's runtime (file discovery, TCP request
+plane), each stage on the transformers engine of a LLaVA-NeXT 7B directory (CLIP ViT-L/336 +
+a Mistral-7B-shaped backbone, ``easerve model init --size 7b``: the real config, tokenizer,
+processor and chat template; random weights materialised at load). The client sends photo-like
+JPEGs (``--image-format jpeg``) at the workload's image sizes.
+
+Systems (``--systems``), on the same GPUs and the same engine:
+
+- ``easerve``: micro-batched encode (Poisson-gap dispatch, B = 8, 50 ms max age) with nvJPEG and
+  the processor on the GPU, every prefill local on the encode GPU (s = 0) under the dynamic SM
+  split, one decode worker. Allocation E1 P0 D1.
+- ``dynamo-style``: what Dynamo's EPD example does: pass-through encode (batch 1, dispatched at
+  once, image decode and processor on the CPU: ``EASERVE_GPU_DECODE=0``), every prefill remote
+  (s = 1), one decode worker. Allocation E1 P1 D1.
+
+The topology's GPUs are placed on the host's GPUs in order and wrap when the host has fewer
+(``easerve serve`` sets ``CUDA_VISIBLE_DEVICES`` per process): on one H200 every process of a
+system shares that GPU, so both systems get the same silicon. Say which in the results: the JSON
+records ``host_gpus``.
+
+SLO tiers scaled to this model: the five tiers of the examples (2/4/8/16/32 s TTFT, 60-250 ms
+TPOT) divided by ``--slo-scale`` (default 4: a 7B backbone on an H200 is about 4x faster per
+token than the 34B on the RTX 6000 Ada that the example tiers were set for).
+
+    # on the GPU machine (see benchmarks/make_devsite.sh for .devsite, made on the dev machine)
+    bash benchmarks/devsite.sh && PYTHONPATH=.devsite/site:.devsite:runtime:operator \\
+        python3 benchmarks/gpu_serve.py --out $OUT --rates 1,2,4,6 --requests 60
+    # anywhere: print the committed runs' summary
+    python benchmarks/gpu_serve.py --summary
+
+Writes ``gpu_serve.json`` after every point (a run cut short keeps what it measured) and
+``gpu_serve.png``; per-system serve logs go to ``--out/<system>/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+TIERS = (("strict", 2, 60), ("tight", 4, 80), ("moderate", 8, 100), ("loose", 16, 150), ("relaxed", 32, 250))
+
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "easerve": {
+        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
+        "offload": {"ratio": 0.0},
+        "smPartition": {"mode": "dynamic", "backend": "green-context"},
+        "env": {},
+    },
+    "dynamo-style": {
+        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+        "encode": {"batchBound": 1, "dispatch": "eager"},
+        "offload": {"ratio": 1.0},
+        "smPartition": {"mode": "none"},
+        "env": {"EASERVE_GPU_DECODE": "0"},
+    },
+}
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float) -> dict[str, Any]:
+    s = SYSTEMS[system]
+    tiers = [
+        {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
+    ]
+    return {
+        "apiVersion": "easerve.io/v1alpha1",
+        "kind": "EPDDeployment",
+        "metadata": {"name": f"gpu-{system}"},
+        "spec": {
+            "model": {
+                "name": "llava-next-7b-random",
+                "modality": "image",
+                "encoder": "clip-vit-l-336",
+                "path": str(model_dir),
+                "randomWeights": True,
+            },
+            "engine": {"backend": "torch", "profile": "llava-v1.6-34b@h200"},
+            "decode": {"kvMemoryFraction": kv_fraction},
+            "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
+            "allocation": s["allocation"],
+            "encode": s["encode"],
+            "offload": s["offload"],
+            "smPartition": s["smPartition"],
+            "slo": {"objective": "moderate", "tiers": tiers},
+            "discovery": {"backend": "file"},
+        },
+    }
+
+
+def model_dir(out: Path, size: str) -> Path:
+    from easerve_runtime.models.init import init_model
+
+    d = out / f"llava-next-{size}"
+    if not (d / "config.json").exists():
+        log(f"easerve model init llava-next --size {size} -> {d}")
+        init_model("llava-next", d, size=size, weights=size == "tiny")
+    return d
+
+
+class Serve:
+    """``easerve serve -f spec`` as a child process group; ready when its log says it serves."""
+
+    def __init__(self, spec_path: Path, workdir: Path, port: int, env: dict[str, str]) -> None:
+        self.log_path = workdir / "serve.log"
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://127.0.0.1:{port}"
+        with open(self.log_path, "wb") as f:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(spec_path), "--port", str(port),
+                 "--workdir", str(workdir / "wd")],
+                env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            if "serving at" in text:
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"easerve serve exited {self.proc.returncode}:\n{text[-4000:]}")
+            time.sleep(1)
+        raise TimeoutError(f"easerve serve not ready in {timeout:.0f} s:\n{self.log_path.read_text()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+
+
+def bench_point(url: str, spec_path: Path, rate: float, n: int, seed: int, env: dict[str, str]) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "easerve_operator.cli", "bench", "--url", url, "-f", str(spec_path), "--rate", str(rate),
+           "--requests", str(n), "--seed", str(seed), "--image-format", "jpeg", "--json", "--timeout", "120"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=n / rate + 300)
+    if r.returncode != 0:
+        raise RuntimeError(f"easerve bench failed ({r.returncode}): {r.stderr[-2000:]}")
+    return dict(json.loads(r.stdout))
+
+
+def gpu_info() -> dict[str, Any]:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            p = torch.cuda.get_device_properties(0)
+            return {"host_gpus": torch.cuda.device_count(), "gpu": p.name, "sms": p.multi_processor_count}
+    except ImportError:
+        pass
+    return {"host_gpus": 0, "gpu": "cpu"}
+
+
+def run(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result_path = out / "gpu_serve.json"
+    result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
+    result.update({"bench": "gpu_serve", "measured": "gpu" if args.size != "tiny" else "cpu-smoke",
+                   "model": f"llava-next-{args.size} (random weights)", "slo_scale": args.slo_scale,
+                   "requests_per_point": args.requests, **gpu_info()})
+    result.setdefault("systems", {})
+    d = model_dir(out, args.size)
+    deadline = time.monotonic() + args.budget_s
+    port = 18000
+    for system in args.systems.split(","):
+        runs = result["systems"].setdefault(system, {"points": []})
+        done = {p["rate"] for p in runs["points"]}
+        rates = [r for r in args.rates if r not in done]
+        if not rates:
+            continue
+        doc = spec_doc(system, d, args.slo_scale, args.kv_fraction)
+        runs["spec"] = doc["spec"]
+        spec_path = out / system / "spec.json"
+        spec_path.parent.mkdir(parents=True, exist_ok=True)
+        spec_path.write_text(json.dumps(doc, indent=1))
+        env = {**os.environ, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"]}
+        if args.size == "tiny":
+            env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
+        log(f"{system}: starting easerve serve")
+        t0 = time.monotonic()
+        port += 1
+        srv = Serve(spec_path, out / system, port, env)
+        try:
+            srv.wait(args.start_timeout)
+            runs["startup_s"] = round(time.monotonic() - t0, 1)
+            log(f"{system}: serving after {runs['startup_s']} s")
+            bench_point(srv.url, spec_path, rates[0], min(8, args.requests), 99, env)  # warm-up, not recorded
+            for rate in rates:
+                if time.monotonic() + args.requests / rate + 30 > deadline:
+                    log(f"{system}: budget spent before rate {rate}")
+                    break
+                log(f"{system}: rate {rate} req/s, {args.requests} requests")
+                rep = bench_point(srv.url, spec_path, rate, args.requests, 1, env)
+                runs["points"].append({"rate": rate, **rep})
+                g = rep.get("goodput", {})
+                log(f"{system}: rate {rate}: throughput {rep.get('throughput')} goodput {g} "
+                    f"ttft p99 {rep.get('ttft_p99')} failed {rep.get('failed')}")
+                result_path.write_text(json.dumps(result, indent=1))
+        except Exception as exc:  # noqa: BLE001 - record it, keep the other system's points
+            runs["error"] = f"{type(exc).__name__}: {exc}"[-4000:]
+            log(f"{system}: {runs['error']}")
+        finally:
+            srv.stop()
+            result_path.write_text(json.dumps(result, indent=1))
+    plot(result, out / "gpu_serve.png")
+    print(json.dumps(summarize([result]), indent=1))
+    return 0
+
+
+def goodput_of(point: dict[str, Any], tier: str) -> float:
+    g = point.get("goodput") or {}
+    v = g.get(tier) if isinstance(g, dict) else None
+    return float(v or 0.0)
+
+
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per system: goodput per tier at each rate, best-over-rates at the moderate tier; the ratios."""
+    out: dict[str, Any] = {"runs": []}
+    for res in results:
+        systems = {}
+        for name, s in res.get("systems", {}).items():
+            pts = sorted(s.get("points", []), key=lambda p: p["rate"])
+            tiers = sorted({t for p in pts for t in (p.get("goodput") or {})})
+            systems[name] = {
+                "goodput": {t: {str(p["rate"]): round(goodput_of(p, t), 3) for p in pts} for t in tiers},
+                "throughput": {str(p["rate"]): p.get("throughput") for p in pts},
+                "ttft_p99": {str(p["rate"]): p.get("ttft_p99") for p in pts},
+                "best_moderate": round(max((goodput_of(p, "moderate") for p in pts), default=0.0), 3),
+                **({"error": s["error"][:300]} if s.get("error") else {}),
+            }
+        ratios = {}
+        if "easerve" in systems:
+            for other in (n for n in systems if n != "easerve"):
+                b = systems[other]["best_moderate"]
+                ratios[f"easerve/{other}"] = round(systems["easerve"]["best_moderate"] / b, 2) if b else None
+        out["runs"].append({k: res.get(k) for k in ("measured", "model", "gpu", "host_gpus", "requests_per_point",
+                                                    "slo_scale", "file")} | {"systems": systems, "ratios": ratios})
+    return out
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log("matplotlib missing: no plot")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, s in result.get("systems", {}).items():
+        pts = sorted(s.get("points", []), key=lambda p: p["rate"])
+        if not pts:
+            continue
+        rates = [p["rate"] for p in pts]
+        axes[0].plot(rates, [goodput_of(p, "moderate") for p in pts], marker="o", label=name)
+        axes[1].plot(rates, [p.get("ttft_p99") or float("nan") for p in pts], marker="o", label=name)
+    axes[0].set(xlabel="offered rate (req/s)", ylabel="goodput, moderate tier (req/s)",
+                title=f"{result.get('model')} on {result.get('gpu')} x{result.get('host_gpus')}")
+    axes[1].set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", yscale="log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=None, help="output directory (on the GPU machine: $OUT)")
+    p.add_argument("--systems", default="easerve,dynamo-style")
+    p.add_argument("--rates", default="1,2,4,6", type=lambda s: [float(x) for x in s.split(",")])
+    p.add_argument("--requests", type=int, default=60, help="requests per rate point")
+    p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="tiny: CPU smoke of the harness")
+    p.add_argument("--slo-scale", type=float, default=4.0)
+    p.add_argument("--kv-fraction", type=float, default=0.45, help="spec.decode.kvMemoryFraction")
+    p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--start-timeout", type=float, default=400)
+    p.add_argument("--budget-s", type=float, default=560, help="stop starting new points after this")
+    p.add_argument("--summary", action="store_true", help="print the summary of benchmarks/results/gpu_serve_*.json")
+    args = p.parse_args()
+    if args.summary:
+        results = []
+        for f in sorted(glob.glob(str(RESULTS / "gpu_serve_*.json"))):
+            res = json.loads(Path(f).read_text())
+            res["file"] = str(Path(f).relative_to(REPO))
+            results.append(res)
+        print(json.dumps(summarize(results), indent=1))
+        return 0
+    if not args.out:
+        p.error("--out is required (or --summary)")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
