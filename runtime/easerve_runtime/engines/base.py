@@ -125,7 +125,7 @@ class PrefillOutput:
     request_id: str
     first_token: int
     kv_bytes: int
-    kv: bytes | None = None
+    kv: bytes | bytearray | memoryview | None = None
     """The KV cache itself (a real engine), ``kv_bytes`` long, laid out as ``kv_meta`` says."""
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
 
@@ -141,7 +141,7 @@ class DecodeSequence:
     generated: list[int] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()
     sampling: Sampling | None = None
-    kv: bytes | None = None
+    kv: bytes | bytearray | memoryview | None = None
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -83,13 +83,14 @@ def sample(logits: Any, sampling: Sampling | None, position: int) -> int:
 
 
 # -- KV cache codec --------------------------------------------------------------------------
-def _to_bytes(t: Any) -> bytes:
+def _to_bytes(t: Any) -> memoryview:
+    """The tensor's bytes on the host: one device-to-host copy, no further copy (a flat view)."""
     import torch
 
     t = t.contiguous().cpu()
     if t.dtype == torch.bfloat16:
         t = t.view(torch.int16)
-    return bytes(t.numpy().tobytes())
+    return memoryview(t.numpy().reshape(-1)).cast("B")
 
 
 def _host_view(t: Any) -> np.ndarray[Any, Any]:
@@ -102,16 +103,18 @@ def _host_view(t: Any) -> np.ndarray[Any, Any]:
     return np.asarray(t.numpy())
 
 
-def _from_bytes(data: bytes | memoryview, dtype: str, shape: Sequence[int]) -> Any:
+def _from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequence[int]) -> Any:
+    """A tensor over ``data``: on a writable buffer (a taken blob) without a copy, else over a copy."""
     import torch
 
-    if dtype == "bfloat16":
-        arr = np.frombuffer(data, dtype=np.int16)
-        return torch.from_numpy(arr.copy()).view(torch.bfloat16).reshape(tuple(shape))
-    return torch.from_numpy(np.frombuffer(data, dtype=np.dtype(dtype)).copy()).reshape(tuple(shape))
+    arr = np.frombuffer(data, dtype=np.int16 if dtype == "bfloat16" else np.dtype(dtype))
+    if not arr.flags.writeable:
+        arr = arr.copy()
+    t = torch.from_numpy(arr)
+    return (t.view(torch.bfloat16) if dtype == "bfloat16" else t).reshape(tuple(shape))
 
 
-def pack_kv(cache: Any) -> tuple[bytes, dict[str, Any]]:
+def pack_kv(cache: Any) -> tuple[memoryview, dict[str, Any]]:
     """A transformers DynamicCache of one sequence -> (bytes, meta) laid out [L, 2, H, T, D]."""
     import torch
 
@@ -121,7 +124,7 @@ def pack_kv(cache: Any) -> tuple[bytes, dict[str, Any]]:
     return _to_bytes(kv), {"shape": list(kv.shape), "dtype": dtype}
 
 
-def unpack_kv(data: bytes | memoryview, meta: Mapping[str, Any]) -> Any:
+def unpack_kv(data: bytes | bytearray | memoryview, meta: Mapping[str, Any]) -> Any:
     shape = [int(x) for x in meta["shape"]]
     need = int(np.prod(shape)) * (2 if meta["dtype"] in ("bfloat16", "float16") else np.dtype(meta["dtype"]).itemsize)
     if len(data) != need:

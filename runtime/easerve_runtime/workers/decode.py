@@ -25,6 +25,7 @@ from easerve_runtime.api import DecodeSpec, EPDDeploymentSpec
 from easerve_runtime.engines.base import DecodeEngine, DecodeSequence, Sampling, SlotDecodeEngine
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.decode_admission import DecodeAdmission
+from easerve_runtime.workers.blobs import HostBlobs
 from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.decode")
@@ -59,6 +60,8 @@ class DecodeWorker:
         self._running: list[Entry] = []
         self._arrival = asyncio.Event()
         self._kv_in: dict[str, dict[int, bytes]] = {}
+        self.blobs = HostBlobs.from_env()
+        """Same-host shared memory the KV cache may arrive through (``workers.blobs``)."""
         self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
 
     @classmethod
@@ -102,8 +105,12 @@ class DecodeWorker:
             return
         try:
             rid = str(request["id"])
-            kv = None
-            if "kv_chunks" in request:
+            kv: bytes | bytearray | None = None
+            if "kv_blob" in request:
+                if self.blobs is None:
+                    raise ValueError("a same-host KV blob was sent, but this worker has no blob directory")
+                kv = await self.blobs.take(str(request["kv_blob"]))
+            elif "kv_chunks" in request:
                 got = self._kv_in.pop(rid, {})
                 n = int(request["kv_chunks"])
                 if sorted(got) != list(range(n)):

@@ -34,6 +34,7 @@ from easerve_runtime.policies.batcher import Dispatch, make_batcher
 from easerve_runtime.policies.envelope import SendWindow, build_envelopes
 from easerve_runtime.policies.knobs import Applied, KnobChange, apply_knobs
 from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
+from easerve_runtime.workers.blobs import HostBlobs
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.streams import Streams
@@ -90,6 +91,8 @@ class EncodeWorker:
         self._arrival = asyncio.Event()
         self._window_free = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self.blobs = HostBlobs.from_env()
+        """Same-host shared memory for the envelopes' bytes (``workers.blobs``); None: base64 inline."""
         metrics.encode_batch_bound.set(spec.encode.batch_bound)
         metrics.offload_ratio.set(s)
 
@@ -218,7 +221,11 @@ class EncodeWorker:
             m.envelope_sends.inc()
             m.envelope_bytes.inc(env.nbytes)
             buffer, index = env.pack()
-            msg = {"buffer": b64e(buffer), "index": index, "requests": metas[dest]}
+            msg: dict[str, Any] = {"index": index, "requests": metas[dest]}
+            if self.blobs is not None:
+                msg["buffer_blob"] = await self.blobs.put(buffer)
+            else:
+                msg["buffer"] = b64e(buffer)
             task = asyncio.create_task(self._send(dest, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
@@ -271,6 +278,8 @@ class EncodeWorker:
                 self._fail(rid, str(exc))
             pending.clear()
         finally:
+            if self.blobs is not None and "buffer_blob" in msg:
+                self.blobs.discard(msg["buffer_blob"])  # taken by the receiver, unless it never read it
             if not released:
                 self._release()
             if unprefilled:

@@ -48,6 +48,7 @@ from easerve_runtime.api import (
 )
 from easerve_runtime.topology import PARTITION_GPU_ENV, Hardware
 from easerve_runtime.topology import plan as topology_plan
+from easerve_runtime.workers.blobs import BLOB_DIR_ENV
 
 log = logging.getLogger("easerve.serve")
 
@@ -181,6 +182,17 @@ def command(p: Proc, config_path: str) -> list[str]:
     raise ValueError(f"{p.name}: no local command for {args[:2]}")
 
 
+def blob_dir(workdir: Path) -> Path:
+    """Where this run's same-host blobs live (``workers.blobs``): a private directory in
+    ``/dev/shm`` (memory) when the host has one, else under the workdir."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return Path(tempfile.mkdtemp(prefix="easerve-blobs-", dir=shm))
+    d = workdir / "blobs"
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
 HOST_GPUS_ENV = "EASERVE_HOST_GPUS"
 
 
@@ -242,6 +254,7 @@ class Launcher:
         kv.mkdir(exist_ok=True)
         shm = self.workdir / "shm"
         shm.mkdir(exist_ok=True)
+        self.blob_dir = blob_dir(self.workdir)
         self._cmds: dict[int, tuple[list[str], dict[str, str]]] = {}
         host_gpus = count_host_gpus() if str(self.spec.engine.backend) == "torch" else 0
         wanted = len({g for p in self.procs for g in p.gpus})
@@ -260,6 +273,8 @@ class Launcher:
                     # the partition records of this run's "GPUs", private to it
                     "EASERVE_PARTITION_SHM": str(shm),
                     "EASERVE_FRONTENDS": "1",  # the client reaches one frontend; it admits for all
+                    # every process is on this host: big payloads (KV, embeddings) go through memory
+                    BLOB_DIR_ENV: str(self.blob_dir),
                 }
             )
             if p.system_port is not None:
@@ -403,6 +418,8 @@ class Launcher:
         stragglers = [i for i in self.popen if self.popen[i].poll() is None]
         self._signal(stragglers, signal.SIGKILL)
         self._wait(stragglers, 5.0)
+        if getattr(self, "blob_dir", None) is not None:
+            shutil.rmtree(self.blob_dir, ignore_errors=True)  # blobs a dead receiver never took
 
 
 def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] | None = None) -> int:

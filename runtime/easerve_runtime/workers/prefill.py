@@ -22,6 +22,7 @@ from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOut
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
 from easerve_runtime.policies.prefill_batch import PrefillBatcher
+from easerve_runtime.workers.blobs import HostBlobs
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import b64d, b64e
@@ -60,6 +61,8 @@ class PrefillWorker:
         """Embedding rows per queued request (a real engine merges them; the sim engine ignores them)."""
         self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
         self.kv_chunk_bytes = KV_CHUNK_BYTES
+        self.blobs = HostBlobs.from_env()
+        """Same-host shared memory for the KV bytes and envelopes (``workers.blobs``)."""
 
     @property
     def inflight(self) -> int:
@@ -69,7 +72,13 @@ class PrefillWorker:
     async def generate(self, envelope: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
         try:
             metas = list(envelope["requests"])
-            arrays = Envelope.unpack(b64d(envelope["buffer"]), envelope["index"])
+            if "buffer_blob" in envelope:
+                if self.blobs is None:
+                    raise ValueError("a same-host blob was sent, but this worker has no blob directory")
+                raw: bytes | bytearray = await self.blobs.take(str(envelope["buffer_blob"]))
+            else:
+                raw = b64d(envelope["buffer"])
+            arrays = Envelope.unpack(raw, envelope["index"])
             for meta in metas:
                 if meta["mm_tokens"] and meta["id"] not in arrays:
                     raise ValueError(f"request {meta['id']} has no embedding in the envelope")
@@ -157,12 +166,19 @@ class PrefillWorker:
         expected = int(meta["max_tokens"]) - 1
         got = 0
         finish = None
+        blob: str | None = None
         try:
             instance = None
             if out.kv is not None:  # a real engine: move the KV bytes to one decode instance first
                 instance = self.decode.pick()
                 req["kv_meta"] = dict(out.kv_meta)
-                req["kv_chunks"] = await self._send_kv(rid, out.kv, instance)
+                if self.blobs is not None:
+                    t0 = time.monotonic()
+                    req["kv_blob"] = blob = await self.blobs.put(out.kv)
+                    self.metrics.kv_handoff_bytes.inc(len(out.kv))
+                    self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
+                else:
+                    req["kv_chunks"] = await self._send_kv(rid, out.kv, instance)
             async for item in self.decode.stream(req, instance=instance):
                 if "error" in item:
                     raise StageError(str(item["error"]))
@@ -179,8 +195,11 @@ class PrefillWorker:
         except Exception as exc:  # never leave a request hanging
             log.exception("handoff failed")
             q.put_nowait({"id": rid, "error": f"decode handoff failed: {exc}"})
+        finally:
+            if blob is not None and self.blobs is not None:
+                self.blobs.discard(blob)  # taken by decode, unless it never got that far
 
-    async def _send_kv(self, rid: str, kv: bytes, instance: int) -> int:
+    async def _send_kv(self, rid: str, kv: bytes | bytearray | memoryview, instance: int) -> int:
         """Send ``kv`` to decode ``instance`` in chunks, a few in flight; returns the chunk count."""
         size = max(1, self.kv_chunk_bytes)
         n = max(1, -(-len(kv) // size))
