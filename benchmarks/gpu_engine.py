@@ -201,7 +201,8 @@ def bench_prefill(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], An
         "kv_bytes_per_token": full.kv_bytes // 2048,
     }
     log(f"prefill: {res}")
-    kv = (full.kv, dict(full.kv_meta))
+    data = full.kv if full.kv is not None else full.pack_kv() if full.pack_kv is not None else b""
+    kv = (data, dict(full.kv_meta))
     del eng, full
     torch.cuda.empty_cache()
     return res, kv

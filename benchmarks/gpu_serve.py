@@ -152,7 +152,7 @@ class Serve:
 
 def bench_point(url: str, spec_path: Path, rate: float, n: int, seed: int, env: dict[str, str]) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "easerve_operator.cli", "bench", "--url", url, "-f", str(spec_path), "--rate", str(rate),
-           "--requests", str(n), "--seed", str(seed), "--image-format", "jpeg", "--json", "--timeout", "120"]
+           "--requests", str(n), "--seed", str(seed), "--image-format", "jpeg", "--ignore-eos", "--json", "--timeout", "120"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=n / rate + 300)
     try:  # exit 1 = some requests failed: the report says which and why, and it counts
         return dict(json.loads(r.stdout))

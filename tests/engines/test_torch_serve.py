@@ -136,3 +136,19 @@ def test_sampling_is_per_request_and_seeded(served: str) -> None:
 
     assert ask(1) == ask(1)  # the same seed, the same tokens
     assert len({tuple(ask(s)) for s in range(2, 6)}) > 1
+
+
+def test_ignore_eos_generates_max_tokens_past_stop_tokens(served: str) -> None:
+    """The benchmark extension (vLLM's and SGLang's): the greedy answer that a stop token ends early
+    continues to max_tokens, same prefix; a non-boolean is a 400 naming the field."""
+    client = openai.OpenAI(base_url=served, api_key="none", timeout=120)
+    greedy = client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=24, temperature=0)
+    ids = list(greedy.model_extra["easerve"]["token_ids"])
+    r = client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=24, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    long = list(r.model_extra["easerve"]["token_ids"])
+    assert len(long) == 24 and r.usage.completion_tokens == 24 and r.choices[0].finish_reason == "length"
+    assert long[: len(ids)] == ids
+    with pytest.raises(openai.BadRequestError, match="ignore_eos"):
+        client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=4,
+                                       extra_body={"ignore_eos": "yes"})

@@ -79,7 +79,9 @@ async def one_request(
                 if "route" in ext:
                     rec.route = ext["route"]
                 for ch in obj.get("choices", []):
-                    if ch.get("delta", {}).get("content"):
+                    # a token arrived: our frontend names its id; text may be empty (part of a
+                    # multi-byte character), so other servers' chunks count by their content
+                    if "token_id" in ext or ch.get("delta", {}).get("content"):
                         now = time.monotonic() - t0
                         if rec.first_token_s is None:
                             rec.first_token_s = now
@@ -104,6 +106,7 @@ async def run_load(
     headers: dict[str, str] | None = None,
     on_start: Callable[[float], None] | None = None,
     image_format: str = "png",
+    ignore_eos: bool = False,
 ) -> tuple[list[Outcome], float]:
     """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration.
 
@@ -118,7 +121,7 @@ async def run_load(
         if model is None:
             model = await fetch_model(session, url)
         # build bodies up front so JSON/base64 work does not delay the arrival schedule
-        bodies = [chat_body(r, model, stream=True, image_format=image_format) for r in requests]
+        bodies = [chat_body(r, model, stream=True, image_format=image_format, ignore_eos=ignore_eos) for r in requests]
         t0 = time.monotonic()
         if on_start is not None:  # the clock arrival_s is measured on (e.g. to schedule a fault)
             on_start(t0)

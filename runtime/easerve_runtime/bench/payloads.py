@@ -116,7 +116,12 @@ def media_part(modality: str, media: dict[str, Any], image_format: str = "png") 
 
 
 def chat_body(
-    req: Request, model: str, stream: bool = True, chars_per_token: int = 4, image_format: str = "png"
+    req: Request,
+    model: str,
+    stream: bool = True,
+    chars_per_token: int = 4,
+    image_format: str = "png",
+    ignore_eos: bool = False,
 ) -> dict[str, Any]:
     """The chat-completions body for a workload request (prompt padded to its token count)."""
     text = ("lorem " * (req.prompt_tokens * chars_per_token // 6 + 1))[
@@ -134,6 +139,8 @@ def chat_body(
         "seed": zlib.crc32(req.id.encode()) & 0x7FFFFFFF,
         "priority": req.priority,
     }
+    if ignore_eos:  # every request generates its max_tokens (a random-weight model stops at once)
+        body["ignore_eos"] = True
     if stream:
         body["stream_options"] = {"include_usage": True}
     return body

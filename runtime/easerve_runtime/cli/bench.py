@@ -25,6 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--image-format", default="png", choices=["png", "jpeg"],
         help="png: a solid colour, no client CPU (default); jpeg: photo-like JPEGs, as real clients send.",
     )
+    parser.add_argument(
+        "--ignore-eos", action="store_true",
+        help="Ask for max_tokens tokens past any stop token (as vLLM's benchmark; random-weight models).",
+    )
     parser.add_argument("--arrival", default="poisson", choices=["poisson", "gamma"], help="Arrival process.")
     parser.add_argument("--cv", type=float, default=1.0, help="Coefficient of variation for gamma arrivals.")
     parser.add_argument(
@@ -127,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
     import time
 
     try:
-        load = run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout, image_format=args.image_format)
+        load = run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout, image_format=args.image_format,
+                        ignore_eos=args.ignore_eos)
         outcomes, duration = asyncio.run(load)
         finished_at = time.time()
     except OSError as exc:

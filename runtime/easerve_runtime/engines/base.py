@@ -17,7 +17,7 @@ tensor type leaking into the transport.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -128,6 +128,14 @@ class PrefillOutput:
     kv: bytes | bytearray | memoryview | None = None
     """The KV cache itself (a real engine), ``kv_bytes`` long, laid out as ``kv_meta`` says."""
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
+    pack_kv: Callable[[], bytes | bytearray | memoryview] | None = None
+    """A real engine may leave the cache on the device and give this instead: it returns the bytes
+    (blocking; the worker calls it in a thread, AFTER the first token went out). Why: the
+    device-to-host copy of a 7B model's 2,900-token cache (~390 MB) took longer than the prefill
+    itself, and every request of the batch waited for it before its first token."""
+
+    def has_kv(self) -> bool:
+        return self.kv is not None or self.pack_kv is not None
 
 
 @dataclass

@@ -114,14 +114,40 @@ def _from_bytes(data: bytes | bytearray | memoryview, dtype: str, shape: Sequenc
     return (t.view(torch.bfloat16) if dtype == "bfloat16" else t).reshape(tuple(shape))
 
 
-def pack_kv(cache: Any) -> tuple[memoryview, dict[str, Any]]:
-    """A transformers DynamicCache of one sequence -> (bytes, meta) laid out [L, 2, H, T, D]."""
+def stack_kv(cache: Any) -> Any:
+    """A transformers DynamicCache of one sequence -> one device tensor laid out [L, 2, H, T, D]."""
     import torch
 
-    layers = [torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers]
-    kv = torch.stack(layers)
-    dtype = str(kv.dtype).removeprefix("torch.")
-    return _to_bytes(kv), {"shape": list(kv.shape), "dtype": dtype}
+    return torch.stack([torch.stack([layer.keys[0], layer.values[0]]) for layer in cache.layers])
+
+
+def kv_meta(kv: Any) -> dict[str, Any]:
+    return {"shape": list(kv.shape), "dtype": str(kv.dtype).removeprefix("torch.")}
+
+
+def pack_kv(cache: Any) -> tuple[memoryview, dict[str, Any]]:
+    """A transformers DynamicCache of one sequence -> (bytes, meta) laid out [L, 2, H, T, D]."""
+    kv = stack_kv(cache)
+    return _to_bytes(kv), kv_meta(kv)
+
+
+def deferred_pack(kv: Any, ready: Any) -> Any:
+    """``PrefillOutput.pack_kv`` for a device tensor: copies it to the host on a side stream once the
+    prefill's stream has produced it (``ready``, a CUDA event), so the copy neither waits for nor
+    holds up the next prefill's kernels."""
+
+    def pack() -> memoryview:
+        import torch
+
+        if ready is None:
+            return _to_bytes(kv)
+        stream = torch.cuda.Stream(device=kv.device)
+        with torch.cuda.stream(stream):
+            stream.wait_event(ready)
+            host = kv.to("cpu")  # pageable: synchronous for this thread only
+        return _to_bytes(host)
+
+    return pack
 
 
 def unpack_kv(data: bytes | bytearray | memoryview, meta: Mapping[str, Any]) -> Any:
@@ -490,8 +516,14 @@ class HFPrefillEngine(_Stage):
             out = self.model.model.language_model(inputs_embeds=emb, past_key_values=cache, use_cache=True)
             logits = self.model.lm_head(out.last_hidden_state[:, -1])[0]
             token = sample(logits, r.sampling, 0)
-            data, meta = pack_kv(cache)
-        meta["tokens"] = len(ids_list)
+            kv = stack_kv(cache)
+            meta = kv_meta(kv) | {"tokens": len(ids_list)}
+            nbytes = kv.numel() * kv.element_size()
+            if self.device.startswith("cuda"):  # the host copy waits for the handoff (deferred_pack)
+                ready = torch.cuda.Event()
+                ready.record()
+                return PrefillOutput(r.request_id, token, nbytes, kv_meta=meta, pack_kv=deferred_pack(kv, ready))
+            data = _to_bytes(kv)
         return PrefillOutput(r.request_id, token, len(data), kv=data, kv_meta=meta)
 
     def _prefill_sync(self, batch: Sequence[PrefillInput], sm_share: float) -> list[PrefillOutput]:

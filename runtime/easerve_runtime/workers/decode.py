@@ -122,7 +122,7 @@ class DecodeWorker:
                 max_tokens=int(request["max_tokens"]),
                 seed=int(request.get("seed", 0)),
                 generated=[int(request["first_token"])],
-                stop_token_ids=self.stop_token_ids,
+                stop_token_ids=() if request.get("ignore_eos") else self.stop_token_ids,
                 sampling=Sampling.from_wire(request),
                 kv=kv,
                 kv_meta=dict(request.get("kv_meta") or {}),

@@ -334,6 +334,7 @@ class Frontend:
             "messages": req.messages,
             "temperature": req.temperature,
             "top_p": req.top_p,
+            **({"ignore_eos": True} if req.ignore_eos else {}),
         }
 
     def _finish(self, ok: bool, t0: float, first: float | None, last: float | None, n: int) -> None:

@@ -113,6 +113,11 @@ class ChatCompletionRequest(_Open):
     seed: StrictInt | None = None
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, description="Sampling temperature; 0 is greedy.")
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    ignore_eos: StrictBool = Field(
+        default=False,
+        description="An extension, as in vLLM and SGLang: generate max_tokens tokens even past a stop "
+        "token. For benchmarks (random-weight models stop at once); the output is not meant to be read.",
+    )
 
 
 def _loc(loc: tuple[Any, ...]) -> str:
@@ -248,6 +253,7 @@ class ChatRequest:
     """The chat with each media part reduced to ``{"type": kind}`` (a real engine applies the template)."""
     temperature: float = 1.0
     top_p: float = 1.0
+    ignore_eos: bool = False
 
 
 def _bad(path: str, msg: str, status: int = 400) -> RequestError:
@@ -600,11 +606,15 @@ def parse_chat_request(
     top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
     if top_p == 0.0:
         raise _bad("top_p", "must be greater than 0")
+    ignore_eos = body.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise _bad("ignore_eos", "must be a boolean")
     stripped = [{"role": m["role"], "content": _stripped(m.get("content"))} for m in messages]
     return ChatRequest(
         messages=stripped,
         temperature=temperature,
         top_p=top_p,
+        ignore_eos=ignore_eos,
         model=model,
         parts=parts,
         text_tokens=text_tokens,

@@ -139,7 +139,7 @@ class PrefillWorker:
                 self.partition.idle()
             for (meta, q), out in zip(batch, outs, strict=True):
                 q.put_nowait({"id": meta["id"], "token": out.first_token})
-                if out.first_token in self.stop_token_ids:
+                if out.first_token in self.stop_token_ids and not meta.get("ignore_eos"):
                     q.put_nowait({"id": meta["id"], "done": True, "finish_reason": "stop"})
                     continue
                 if int(meta["max_tokens"]) <= 1:
@@ -162,6 +162,7 @@ class PrefillWorker:
             "kv_bytes": out.kv_bytes,
             "priority": int(meta.get("priority", 0)),
             **Sampling.from_wire(meta).wire(),
+            **({"ignore_eos": True} if meta.get("ignore_eos") else {}),
         }
         expected = int(meta["max_tokens"]) - 1
         got = 0
@@ -169,16 +170,21 @@ class PrefillWorker:
         blob: str | None = None
         try:
             instance = None
-            if out.kv is not None:  # a real engine: move the KV bytes to one decode instance first
+            if out.has_kv():  # a real engine: move the KV bytes to one decode instance first
                 instance = self.decode.pick()
                 req["kv_meta"] = dict(out.kv_meta)
+                t0 = time.monotonic()
+                kv = out.kv
+                if kv is None and out.pack_kv is not None:  # off the loop: a device-to-host copy
+                    kv = await asyncio.to_thread(out.pack_kv)
+                assert kv is not None
                 if self.blobs is not None:
-                    t0 = time.monotonic()
-                    req["kv_blob"] = blob = await self.blobs.put(out.kv)
-                    self.metrics.kv_handoff_bytes.inc(len(out.kv))
+                    req["kv_blob"] = blob = await self.blobs.put(kv)
+                    self.metrics.kv_handoff_bytes.inc(len(kv))
                     self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
                 else:
-                    req["kv_chunks"] = await self._send_kv(rid, out.kv, instance)
+                    req["kv_chunks"] = await self._send_kv(rid, kv, instance)
+                del kv
             async for item in self.decode.stream(req, instance=instance):
                 if "error" in item:
                     raise StageError(str(item["error"]))

@@ -28,7 +28,8 @@ Prefill -> decode (``<ns>.decode.generate``), one request after prefill::
   ``{"finish_reason": "stop"}`` last when a stop token ended it early. A real engine first sends
   the KV cache to the same instance as ``{"kv_chunk": {"id", "seq", "of", "b64"}}`` messages (each
   answered ``{"ack": true}``), then the request above with ``"kv_meta"`` and ``"kv_chunks"`` and
-  the sampling fields ``"temperature"``, ``"top_p"``.
+  the sampling fields ``"temperature"``, ``"top_p"`` (and ``"ignore_eos"`` when the client set it:
+  no stop token ends the sequence).
 
 Tokens travel as integer ids; the frontend renders them to text. Binary data is base64 because
 the request plane carries JSON-like objects.
@@ -74,4 +75,6 @@ def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
     for k in ("temperature", "top_p"):  # sampling, when the client set it (the sim engine ignores it)
         if k in req:
             meta[k] = float(req[k])
+    if req.get("ignore_eos"):  # generate max_tokens whatever they are (benchmarks)
+        meta["ignore_eos"] = True
     return meta
