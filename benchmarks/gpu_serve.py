@@ -172,14 +172,41 @@ def gpu_info() -> dict[str, Any]:
     return {"host_gpus": 0, "gpu": "cpu"}
 
 
+class MPS:
+    """An MPS control daemon for this run (``--mps``): processes sharing a GPU then run their kernels
+    concurrently instead of taking turns in time slices. Its pipe and log directories are private
+    to the run, and it is told to quit at the end."""
+
+    def __init__(self, out: Path) -> None:
+        self.env = {"CUDA_MPS_PIPE_DIRECTORY": str(out / "mps-pipe"), "CUDA_MPS_LOG_DIRECTORY": str(out / "mps-log")}
+        for d in self.env.values():
+            Path(d).mkdir(parents=True, exist_ok=True)
+        subprocess.run(["nvidia-cuda-mps-control", "-d"], env={**os.environ, **self.env}, check=True, timeout=30)
+        log("MPS control daemon started")
+
+    def stop(self) -> None:
+        subprocess.run(["nvidia-cuda-mps-control"], input="quit\n", text=True, env={**os.environ, **self.env},
+                       timeout=30, check=False)
+        log("MPS control daemon stopped")
+
+
 def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    mps = MPS(out) if args.mps else None
+    try:
+        return _run(args, out, mps.env if mps else {})
+    finally:
+        if mps is not None:
+            mps.stop()
+
+
+def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
     result_path = out / "gpu_serve.json"
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
     result.update({"bench": "gpu_serve", "measured": "gpu" if args.size != "tiny" else "cpu-smoke",
                    "model": f"llava-next-{args.size} (random weights)", "slo_scale": args.slo_scale,
-                   "requests_per_point": args.requests, **gpu_info()})
+                   "requests_per_point": args.requests, "mps": args.mps, **gpu_info()})
     result.setdefault("systems", {})
     d = model_dir(out, args.size)
     deadline = time.monotonic() + args.budget_s
@@ -195,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         spec_path = out / system / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(doc, indent=1))
-        env = {**os.environ, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"]}
+        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"]}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
         log(f"{system}: starting easerve serve")
@@ -256,8 +283,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
             for other in (n for n in systems if n != "easerve"):
                 b = systems[other]["best_moderate"]
                 ratios[f"easerve/{other}"] = round(systems["easerve"]["best_moderate"] / b, 2) if b else None
-        out["runs"].append({k: res.get(k) for k in ("measured", "model", "gpu", "host_gpus", "requests_per_point",
-                                                    "slo_scale", "file")} | {"systems": systems, "ratios": ratios})
+        keys = ("measured", "model", "gpu", "host_gpus", "mps", "requests_per_point", "slo_scale", "file")
+        out["runs"].append({k: res.get(k) for k in keys} | {"systems": systems, "ratios": ratios})
     return out
 
 
@@ -301,6 +328,7 @@ def main() -> int:
     p.add_argument("--max-len", type=int, default=4096)
     p.add_argument("--start-timeout", type=float, default=400)
     p.add_argument("--budget-s", type=float, default=560, help="stop starting new points after this")
+    p.add_argument("--mps", action="store_true", help="run the systems under an MPS daemon (one shared GPU)")
     p.add_argument("--summary", action="store_true", help="print the summary of benchmarks/results/gpu_serve_*.json")
     args = p.parse_args()
     if args.summary:
