@@ -13,7 +13,6 @@ import base64
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from typing import Any
 
 import pytest
 import yaml
+from easerve_runtime.workers.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "easerve"
@@ -39,12 +39,6 @@ def wait_for(what: str, fn: Callable[[], Any], timeout: float = 90.0) -> Any:
             return last
         time.sleep(0.25)
     pytest.fail(f"timed out after {timeout}s waiting for {what} (last: {last!r})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kjson(k8s: Any, *args: str) -> Any:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from easerve_runtime.workers.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 E2E = REPO / "e2e"
@@ -50,12 +50,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "pods_cluster" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,16 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from easerve_runtime.workers.launcher import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 EASERVE = [sys.executable, "-m", "easerve_operator.cli"]
 START_TIMEOUT_S = float(os.environ.get("EASERVE_OPERATOR_START_TIMEOUT", "240"))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class OperatorProcess:
