@@ -7,19 +7,8 @@ The system table and the virtual-time loop live in ``omni.systems`` and ``omni.r
 with the live server, which must not import this package); this module adds the spec-level run
 and the CLI, and re-exports their names.
 
-Systems (``--policy``), all inside the same engine so that only the policy differs:
-
-============== ============== ================== ===========================================
-name           base scheduler queue-view wrapper GPU sharing of the two stage processes
-============== ============== ================== ===========================================
-vanilla        FCFS           off                time-slicing (two contexts, no MPS)
-edf            EDF            off                time-slicing
-mps            FCFS           off                MPS (concurrent, no SM control)
-edf-mps        EDF            off                MPS
-horizon        FCFS           rotation + cap     green split from BandwidthThrottle
-horizon-norot  FCFS           off (annotate)     green split from BandwidthThrottle
-horizon-nothr  FCFS           rotation + cap     MPS (no throttle)
-============== ============== ================== ===========================================
+Systems (``--policy``): the table in ``omni.systems`` (all inside the same engine, so that only
+the policy differs).
 """
 
 from __future__ import annotations
