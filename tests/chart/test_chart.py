@@ -216,6 +216,21 @@ def test_discovery_etcd_installed_or_pointed_at() -> None:
     assert "EASERVE_DISCOVERY_ETCD_ENDPOINTS" not in operator_env(neither)
 
 
+def test_prometheus_for_cluster_trials_reaches_the_operator() -> None:
+    """values monitoring.prometheusUrl -> the operator's EASERVE_PROMETHEUS_URL (its --prometheus-url
+    default); unset, none; a URL that is not http(s) is refused by the values schema."""
+
+    def operator_env(objs: list[dict[str, Any]]) -> dict[str, str]:
+        (dep,) = by_kind(objs, "Deployment")
+        return {e["name"]: e.get("value", "") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+    url = "http://prometheus-operated.monitoring:9090"
+    assert operator_env(docs(render("--set", f"monitoring.prometheusUrl={url}")))["EASERVE_PROMETHEUS_URL"] == url
+    assert "EASERVE_PROMETHEUS_URL" not in operator_env(docs(render()))
+    with pytest.raises(subprocess.CalledProcessError):
+        render("--set", "monitoring.prometheusUrl=file:///etc/passwd")
+
+
 def test_webhook_off_drops_its_rbac_and_flags() -> None:
     objs = docs(render("--set", "webhook.enabled=false"))
     groups = {g for r in _rules(objs, "ClusterRole") for g in r["apiGroups"]}

@@ -330,3 +330,94 @@ def test_cli_cluster_backend_runs_the_search_through_the_kube_runner(tmp_path, m
     assert all(t["metrics_source"] == "prometheus" and "job_report" in t for t in trials)
     assert sorted(p.name for p in (tmp_path / "trials").iterdir()) == [f"trial-{k}.json" for k in (1, 2, 3)]
     assert made[0].objects == {}
+
+
+class _Status:
+    """The status subresource, as the tuning daemon writes it (patches recorded)."""
+
+    def __init__(self) -> None:
+        self.patches: list[dict[str, Any]] = []
+
+    def patch_status(self, namespace: str, name: str, status: dict[str, Any]) -> None:
+        self.patches.append(json.loads(json.dumps(status)))
+
+
+class _OneSearch:
+    """kopf.DaemonStopped that turns true at the daemon's first idle wait (after one search)."""
+
+    waits = 0
+
+    def __bool__(self) -> bool:
+        return self.waits > 0
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waits += 1
+        return True
+
+
+def _tuned_manifest(**tuning: Any) -> dict[str, Any]:
+    import yaml
+
+    doc = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "llava-v1.6-34b.yaml").read_text())
+    doc["spec"]["tuning"] = {"enabled": True, "targetRate": 1.0, "trialBudget": 3, "requestsPerTrial": 40, **tuning}
+    return doc
+
+
+def test_the_operator_daemon_runs_cluster_trials_scored_from_prometheus(tmp_path, monkeypatch):
+    """``spec.tuning.trials: cluster``: the operator's own search rolls each trial out through the
+    KubeRunner and scores it from the Prometheus of the spec; status says so (twin vs cluster)."""
+    import easerve_operator.tuning.prometheus as prom
+    import easerve_operator.tuning.runners.kube as kube
+    from easerve_operator.reconcile import tuning
+
+    monkeypatch.setenv(tuning.STATE_DIR_ENV, str(tmp_path / "state"))
+    clock = Clock()
+    made: list[FakeCluster] = []
+    urls: list[str] = []
+
+    class OpCluster(FakeCluster):
+        def __init__(self) -> None:
+            super().__init__(clock, ready_after=0, run_s=0.0)
+            made.append(self)
+
+    def scorer(url: str, selector: Mapping[str, str]) -> SyntheticPrometheus:
+        urls.append(url)
+        assert selector["namespace"] == "ns" and selector["epd_deployment"].startswith("llava-t")
+        return SyntheticPrometheus(made[0])(selector["epd_deployment"])
+
+    monkeypatch.setattr(kube, "KubeTrialCluster", OpCluster)
+    monkeypatch.setattr(prom, "PrometheusScorer", scorer)
+    doc = _tuned_manifest(trials="cluster")
+    doc["spec"]["observability"] = {"prometheusUrl": "http://prom.monitoring:9090"}
+    st = _Status()
+    tuning.run_daemon(st, _OneSearch(), doc, "ns", "llava", UID)
+    done = st.patches[-1]["tuning"]
+    assert done["state"] == "Succeeded", done.get("message")
+    assert done["trialsOn"] == "cluster" and done["prometheusUrl"] == "http://prom.monitoring:9090"
+    assert done["best"] is not None and done["nTrials"] >= 1
+    jobs = [k for op, k in made[0].calls if op == "apply" and k[0] == "Job"]
+    assert [name for _, name in jobs] == [f"llava-t{i}-load" for i in range(1, len(jobs) + 1)]
+    assert len(jobs) == done["nTrials"] and set(urls) == {"http://prom.monitoring:9090"}
+    assert made[0].objects == {}  # every trial torn down
+    assert st.patches[0]["tuning"]["trialsOn"] == "cluster"  # said from the start
+
+
+def test_cluster_trials_without_a_prometheus_fail_naming_where_to_set_it(tmp_path, monkeypatch):
+    from easerve_operator.reconcile import tuning
+
+    monkeypatch.setenv(tuning.STATE_DIR_ENV, str(tmp_path / "state"))
+    st = _Status()
+    tuning.run_daemon(st, _OneSearch(), _tuned_manifest(trials="cluster"), "ns", "llava", UID)
+    done = st.patches[-1]["tuning"]
+    assert done["state"] == "Failed" and done["trialsOn"] == "cluster"
+    assert "spec.observability.prometheusUrl" in done["message"] and "--prometheus-url" in done["message"]
+
+
+def test_twin_trials_are_the_default_and_say_so(tmp_path, monkeypatch):
+    from easerve_operator.reconcile import tuning
+
+    monkeypatch.setenv(tuning.STATE_DIR_ENV, str(tmp_path / "state"))
+    st = _Status()
+    tuning.run_daemon(st, _OneSearch(), _tuned_manifest(), "ns", "llava", UID)
+    done = st.patches[-1]["tuning"]
+    assert done["state"] == "Succeeded" and done["trialsOn"] == "twin" and done["prometheusUrl"] is None

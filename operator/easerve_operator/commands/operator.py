@@ -52,6 +52,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="etcd endpoints for Dynamo discovery, passed into every pod whose spec uses etcd discovery "
         "without naming endpoints (default: $EASERVE_DISCOVERY_ETCD_ENDPOINTS; the chart sets it)",
     )
+    parser.add_argument(
+        "--prometheus-url",
+        default=os.environ.get("EASERVE_PROMETHEUS_URL") or None,
+        help="the Prometheus that scores HAS trials on the cluster (spec.tuning.trials: cluster) when a spec "
+        "names no spec.observability.prometheusUrl (default: $EASERVE_PROMETHEUS_URL; the chart sets it)",
+    )
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
 
 
@@ -109,7 +115,9 @@ def run(args: argparse.Namespace) -> int:
     handlers.OPTIONS.namespaces = list(args.namespace)  # the children's informer watches the same scope
     from easerve_operator.reconcile.defaults import OperatorDefaults
 
-    handlers.OPTIONS.defaults = OperatorDefaults(discovery_etcd_endpoints=args.discovery_etcd_endpoints)
+    handlers.OPTIONS.defaults = OperatorDefaults(
+        discovery_etcd_endpoints=args.discovery_etcd_endpoints, prometheus_url=args.prometheus_url
+    )
 
     if args.webhook_port:
         cert, key = args.webhook_cert, args.webhook_key

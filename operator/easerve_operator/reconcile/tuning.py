@@ -1,9 +1,12 @@
 """HAS inside the operator: with ``spec.tuning.enabled``, search and report the result in status.
 
-The search runs in a kopf daemon (one thread per EPDDeployment that asks for it), with the twin
-as its trial runner (``engine.backend: sim``; a Kubernetes trial runner comes later). Progress
-and the result go to ``status.tuning`` (the typed ``TuningStatus``); the operator never writes
-``spec``. To adopt the recommendation, copy ``status.tuning.best`` (allocation, batchBound,
+The search runs in a kopf daemon (one thread per EPDDeployment that asks for it). Its Stage-2
+trials run where ``spec.tuning.trials`` says: ``twin`` (the in-operator simulator, a prediction)
+or ``cluster`` (``runners.kube.KubeRunner``: each trial rolled out as this deployment's children,
+driven by a load Job, scored from Prometheus at ``spec.observability.prometheusUrl`` or the
+operator's ``--prometheus-url``: a measurement). Stage 1 profiles on the twin either way. Progress
+and the result go to ``status.tuning`` (the typed ``TuningStatus``, ``trialsOn`` saying which);
+the operator never writes ``spec``. To adopt the recommendation, copy ``status.tuning.best`` (allocation, batchBound,
 offloadRatio) into the manifest in Git.
 
 **What identifies a search.** A *fingerprint* of the spec without what the search chooses
@@ -48,6 +51,7 @@ from easerve_runtime.api import (
     VERSION,
     EPDDeploymentSpec,
     PartitionMode,
+    TrialBackend,
     TuningState,
     TuningStatus,
     parse_spec,
@@ -106,12 +110,53 @@ def records_dir(namespace: str, name: str, uid: str, spec: EPDDeploymentSpec) ->
 
 
 # ------------------------------------------------------------------------------------ search
+PROMETHEUS_TRIAL_LABEL = "epd_deployment"
+"""The Prometheus label that carries a pod's deployment (trial) name: the chart's PodMonitor sets it."""
+
+
+def trial_runner(
+    spec: EPDDeploymentSpec, namespace: str, name: str, uid: str, directory: Path, prometheus_default: str | None
+) -> tuple[Any, str | None]:
+    """``(runner, prometheus url)`` for ``spec.tuning.trials``: the twin's, or one on this cluster.
+
+    A cluster runner numbers its trials after those already recorded in ``directory`` (a resumed
+    search never reuses a trial's name) and keeps each trial's report beside the records."""
+    from easerve_operator.tuning.runners.sim import SimRunner
+
+    if spec.tuning.trials == TrialBackend.TWIN:
+        return SimRunner(), None
+    url = spec.observability.prometheus_url or prometheus_default
+    if not url:
+        raise ValueError(
+            "spec.tuning.trials is cluster, but no Prometheus is known to score the trials: set "
+            "spec.observability.prometheusUrl, or the operator's --prometheus-url (chart: tuning.prometheusUrl)"
+        )
+    from easerve_operator.tuning.prometheus import PrometheusScorer
+    from easerve_operator.tuning.records import RecordStore
+    from easerve_operator.tuning.runners.kube import KubeRunner, KubeTrialCluster
+
+    store = RecordStore(directory)
+    done = len(store.load()[2]) if store.exists() else 0
+    runner = KubeRunner(
+        cluster=KubeTrialCluster(),
+        deployment=name,
+        namespace=namespace,
+        uid=uid,
+        scorer_for=lambda trial: PrometheusScorer(url, {"namespace": namespace, PROMETHEUS_TRIAL_LABEL: trial}),
+        first_trial=done + 1,
+        report_dir=directory / "trials",
+    )
+    return runner, url
+
+
 def search(
     spec: EPDDeploymentSpec,
     directory: Path,
     on_progress: Callable[[Any, list[Any]], None] | None = None,
+    runner: Any = None,
 ) -> tuple[Any, int]:
-    """Run (or resume) HAS on the twin for ``spec``, recording trials under ``directory``.
+    """Run (or resume) HAS for ``spec``, recording trials under ``directory``; the trials run on
+    ``runner`` (default: the twin's).
 
     Returns ``(TuningResult, trials recovered from the records)``. Records of another search in
     the directory (the spec changed while the operator was down) are moved aside, not mixed in.
@@ -130,7 +175,7 @@ def search(
     def run() -> Any:
         return tune(
             spec,
-            runner=SimRunner(),
+            runner=runner if runner is not None else SimRunner(),
             profiler=profiler,
             space=space,
             rate=rate,
@@ -260,12 +305,22 @@ def run_daemon(
     name: str,
     uid: str,
     logger: logging.Logger = log,
+    make_runner: Callable[..., tuple[Any, str | None]] | None = None,
 ) -> None:
     """The daemon's loop: search when the spec asks for a search nobody finished, else wait.
 
     ``body`` is kopf's live view of the object (updated by watch events, so it lags behind our
-    own status writes); ``client`` writes status.
+    own status writes); ``client`` writes status. ``make_runner(spec, namespace, name, uid,
+    directory)`` gives the trials' runner and the Prometheus it scores with (default:
+    ``trial_runner`` with the operator's ``--prometheus-url``).
     """
+    if make_runner is None:
+
+        def make_runner(*args: Any) -> tuple[Any, str | None]:
+            from easerve_operator.reconcile.handlers import OPTIONS
+
+            return trial_runner(*args, OPTIONS.defaults.prometheus_url)
+
 
     def write(st: TuningStatus) -> None:
         client.patch_status(namespace, name, tuning_patch(st))
@@ -290,9 +345,13 @@ def run_daemon(
         running = TuningStatus(
             state=TuningState.RUNNING, fingerprint=fp, partition=part, started_at=started, trials=0, budget=budget
         )
+        trials_on = str(spec.tuning.trials)
+        running = running.model_copy(update={"trials_on": trials_on})
         write(running)
+        prometheus: str | None = None
         try:
-            result, resumed = search(spec, directory, _Progress(write, running, body, stopped))
+            runner, prometheus = make_runner(spec, namespace, name, uid, directory)
+            result, resumed = search(spec, directory, _Progress(write, running, body, stopped), runner=runner)
         except _Abort:
             logger.info("tuning search interrupted (operator stopping or spec changed)")
             continue
@@ -306,11 +365,15 @@ def run_daemon(
                 finished_at=_now(),
                 budget=budget,
                 message=f"{type(exc).__name__}: {exc}",
+                trials_on=trials_on,
+                prometheus_url=prometheus,
             )
             write(failed)
             finished = failed.wire()
             continue
-        done = result_status(result, fp, part, started, resumed, budget)
+        done = result_status(result, fp, part, started, resumed, budget).model_copy(
+            update={"trials_on": trials_on, "prometheus_url": prometheus}
+        )
         logger.info("tuning done (%d trials, %d resumed): %s", done.n_trials or 0, resumed,
                     json.dumps(done.wire().get("best"))[:300])
         write(done)

@@ -77,6 +77,13 @@ class DiscoveryBackend(StrEnum):
     FILE = "file"
 
 
+class TrialBackend(StrEnum):
+    """Where HAS's Stage-2 trials run."""
+
+    TWIN = "twin"
+    CLUSTER = "cluster"
+
+
 class DeploymentMode(StrEnum):
     DISAGGREGATED = "disaggregated"
     OMNI_COLOCATED = "omni-colocated"
@@ -327,6 +334,12 @@ class TuningSpec(Model):
         default="throughput", pattern=r"^(throughput|goodput@[a-z0-9-]+)$", description="throughput or goodput@TIER."
     )
     adapt: AdaptSpec = Field(default_factory=AdaptSpec, description="Online adaptation of B and s to the observed rate.")
+    trials: TrialBackend = Field(
+        default=TrialBackend.TWIN,
+        description="Where Stage-2 trials run: twin (the operator's simulator: a prediction) or cluster (each "
+        "trial rolled out as this deployment's children, driven by a load Job, scored from Prometheus at "
+        "spec.observability.prometheusUrl or the operator's --prometheus-url: a measurement).",
+    )
 
 
 class DiscoverySpec(Model):

@@ -253,6 +253,10 @@ class TuningStatus(Model):
     n_trials: int | None = None
     stage1: Stage1Summary | None = None
     device_s: float | None = None
+    trials_on: str | None = Field(
+        default=None, description="Where the trials ran: twin (predicted) or cluster (measured, scored from Prometheus)."
+    )
+    prometheus_url: str | None = Field(default=None, description="The Prometheus that scored cluster trials.")
 
 
 class EPDDeploymentStatus(Model):
