@@ -24,6 +24,7 @@ from easerve_runtime.api import (
 from easerve_runtime.topology import Pod, Port, Process
 
 from easerve_operator.render.auth import api_key_env, api_key_mounts, api_key_volumes
+from easerve_operator.render.model import model_mounts, model_volumes
 from easerve_operator.render.profile import profile_mounts, profile_volumes
 from easerve_operator.render.stages import config_map_name, labels, selector, stage_name
 
@@ -94,6 +95,7 @@ def volume_mounts(config: RuntimeConfig, proc: Process) -> list[dict[str, Any]]:
     if proc.shm:
         mounts.append({"name": "shm", "mountPath": "/dev/shm"})
     mounts.extend(profile_mounts(config.spec))
+    mounts.extend(model_mounts(config.spec, proc))
     mounts.extend(api_key_mounts(config, proc))
     return mounts
 
@@ -105,6 +107,7 @@ def volumes(config: RuntimeConfig, pod: Pod) -> list[dict[str, Any]]:
     if pod.shm:
         out.append({"name": "shm", "emptyDir": {"medium": "Memory"}})
     out.extend(profile_volumes(config.spec))
+    out.extend(model_volumes(config.spec))
     out.extend(api_key_volumes(config, pod))
     return out
 

@@ -45,6 +45,7 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
                 f"got {', '.join(given) if given else 'none'}",
             )
         )
+    errs += model_volume_errors(spec)
     tier_names = [t.name for t in spec.slo.tiers]
     if len(set(tier_names)) != len(tier_names):
         errs.append(SpecError("spec.slo.tiers", f"tier names must be unique, got {tier_names}"))
@@ -133,6 +134,32 @@ def engine_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
             )
     if spec.model.path is None:
         errs.append(SpecError("spec.model.path", "is required when spec.engine.backend is torch (a model directory)"))
+    return errs
+
+
+def model_volume_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    """``spec.model.volume``: exactly one source, and ``spec.model.path`` inside its mount."""
+    v = spec.model.volume
+    if v is None:
+        return []
+    errs: list[SpecError] = []
+    given = [k for k, x in (("persistentVolumeClaim", v.persistent_volume_claim), ("hostPath", v.host_path)) if x]
+    if len(given) != 1:
+        errs.append(
+            SpecError(
+                "spec.model.volume",
+                "give exactly one of spec.model.volume.persistentVolumeClaim and spec.model.volume.hostPath; "
+                f"got {', '.join(given) if given else 'none'}",
+            )
+        )
+    mount = v.mount_path.rstrip("/")
+    path = spec.model.path
+    if path is None:
+        errs.append(SpecError("spec.model.path", f"is required with spec.model.volume (a directory under {mount})"))
+    elif not (path.rstrip("/") + "/").startswith(mount + "/"):
+        errs.append(
+            SpecError("spec.model.path", f"'{path}' is not under spec.model.volume.mountPath '{v.mount_path}'")
+        )
     return errs
 
 

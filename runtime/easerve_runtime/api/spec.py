@@ -98,6 +98,29 @@ class OutputModality(StrEnum):
 Name = Annotated[str, Field(min_length=1, max_length=63, pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")]
 
 
+class ModelVolume(Model):
+    """Where the model directory comes from in the pods: a PersistentVolumeClaim or a directory of the
+    node, mounted read-only into every container that loads the model or its tokenizer."""
+
+    persistent_volume_claim: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="PersistentVolumeClaim in the deployment's namespace that holds the model directory "
+        "(ReadOnlyMany or ReadWriteMany when pods run on several nodes).",
+    )
+    host_path: str | None = Field(
+        default=None,
+        min_length=2,
+        pattern=r"^/",
+        description="Directory on every GPU node that holds the model directory (must exist there).",
+    )
+    mount_path: str = Field(
+        default="/models", min_length=2, pattern=r"^/", description="Where the pods see it; spec.model.path lies under it."
+    )
+
+
 class ModelSpec(Model):
     """Which model is served and which encoder feeds it."""
 
@@ -114,6 +137,11 @@ class ModelSpec(Model):
             "Model directory in the Hugging Face layout (config, safetensors, tokenizer, processor, chat "
             "template) as the pods see it; required by engine.backend torch. Never fetched from a hub."
         ),
+    )
+    volume: ModelVolume | None = Field(
+        default=None,
+        description="The volume the model directory is on (a PVC or a node path), mounted read-only; "
+        "without it, spec.model.path must already exist in the image.",
     )
     random_weights: bool = Field(
         default=False,
