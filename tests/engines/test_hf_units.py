@@ -24,6 +24,33 @@ def test_sampling_greedy_top_p_and_seed() -> None:
     assert 3 in {sample(logits, Sampling(50.0, 1.0, s), 0) for s in range(200)}  # hot: the tail appears
 
 
+def test_batched_sampling_is_the_distribution_and_ignores_the_batch() -> None:
+    """``sample_rows``: each row's draw is a function of (seed, position) only, whoever shares the
+    batch; over many positions the draws follow softmax(logits / T) on the top-p set. The noise is
+    a hash, so these counts are the same on every run (no flaky tolerance)."""
+    import torch
+    from easerve_runtime.engines.base import Sampling
+    from easerve_runtime.engines.hf import sample, sample_rows
+
+    logits = torch.tensor([0.0, 1.0, 2.0, -1.0])
+    n = 20_000
+    counts = torch.zeros(4)
+    for pos in range(n):
+        counts[sample(logits, Sampling(1.0, 1.0, 3), pos)] += 1
+    assert torch.allclose(counts / n, torch.softmax(logits, 0), atol=0.01)
+    counts = torch.zeros(4)
+    for pos in range(5_000):  # top-p 0.7: the two likeliest (0.64 then 0.24) stay, renormalised
+        counts[sample(logits, Sampling(1.0, 0.7, 3), pos)] += 1
+    assert counts[0] == counts[3] == 0 and abs(float(counts[2] / counts.sum()) - 0.731) < 0.02
+    rows = torch.randn(6, 50, generator=torch.Generator().manual_seed(0))
+    mixed = [Sampling(0.0), Sampling(0.8, 0.9, 11), Sampling(1.3, 1.0, 12), None, Sampling(1.0, 0.5, 13),
+             Sampling(2.0, 1.0, 14)]
+    together = sample_rows(rows, mixed, [4, 5, 6, 7, 8, 9])
+    alone = [sample(rows[i], mixed[i], 4 + i) for i in range(6)]
+    assert together == alone
+    assert together[0] == int(rows[0].argmax()) and together[3] == int(rows[3].argmax())  # greedy rows
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kv_pack_unpack_round_trip(dtype: str) -> None:
     import torch

@@ -20,8 +20,9 @@ decode on the H200):
 - **One step over mixed lengths**: each row writes its new K/V at its own position and attends
   through a 4-D mask of its own valid prefix (``SlotCache``), which transformers' attention
   takes as given.
-- **Sampling**: per request greedy / temperature / top-p with a seeded generator per position,
-  so a sequence's tokens do not depend on who else is in the batch.
+- **Sampling**: per request greedy / temperature / top-p, every row of a step at once on the
+  device (Gumbel-max with noise hashed from (seed, position, token)), so a sequence's tokens do
+  not depend on who else is in the batch and a step pays no per-row host work (``sample_rows``).
 
 Supported families: LLaVA-NeXT (image) and Qwen2-Audio (audio). Qwen2.5-VL's directories load,
 but its M-RoPE positions (3-D, with per-request deltas) are not yet carried through the handoff:
@@ -60,26 +61,97 @@ AUDIO_RATE = 16_000
 
 
 # -- sampling ----------------------------------------------------------------------------------
-def sample(logits: Any, sampling: Sampling | None, position: int) -> int:
-    """One token from a 1-D logits row: greedy when ``temperature <= 0``, else temperature + top-p.
+_M64 = (1 << 64) - 1
 
-    The generator is seeded by (request seed, position): the draw depends only on this request.
-    """
+
+def _srl(x: Any, k: int) -> Any:
+    """Logical right shift of int64 tensors (torch's ``>>`` extends the sign)."""
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _to_i64(v: int) -> int:
+    v &= _M64
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _splitmix(x: Any) -> Any:
+    """SplitMix64's finaliser on int64 tensors (multiplication wraps, as the algorithm wants)."""
+    x = x ^ _srl(x, 30)
+    x = x * _to_i64(0xBF58476D1CE4E5B9)
+    x = x ^ _srl(x, 27)
+    x = x * _to_i64(0x94D049BB133111EB)
+    return x ^ _srl(x, 31)
+
+
+def _splitmix_int(x: int) -> int:
+    """SplitMix64's finaliser on a Python int (the per-row key), as a signed 64-bit value."""
+    x &= _M64
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & _M64
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & _M64
+    return _to_i64(x ^ (x >> 31))
+
+
+def gumbel_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int, device: Any) -> Any:
+    """Gumbel(0, 1) noise ``[rows, vocab]`` that is a pure function of (seed, position, token id).
+
+    Counter-based (a hash, no generator state), so each row's draw depends only on its own request
+    and position, never on which other requests share the batch, and the whole batch is made in
+    a few element-wise kernels on the device."""
     import torch
 
-    s = sampling or Sampling(temperature=0.0)
-    row = logits.float()
-    if s.temperature <= 0:
-        return int(torch.argmax(row).item())
-    probs = torch.softmax(row / s.temperature, dim=-1)
-    if s.top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        keep = torch.cumsum(sorted_p, dim=-1) - sorted_p < s.top_p
-        keep[0] = True
-        probs = torch.zeros_like(probs).scatter_(0, order[keep], sorted_p[keep])
-        probs = probs / probs.sum()
-    g = torch.Generator(device="cpu").manual_seed((s.seed * 1_000_003 + position) & 0x7FFF_FFFF_FFFF_FFFF)
-    return int(torch.multinomial(probs.cpu(), 1, generator=g).item())
+    # SplitMix64 as a generator: the stream of (seed, position) is finaliser(key + i * golden)
+    key = torch.tensor(
+        [_splitmix_int(_splitmix_int(int(s) & _M64) ^ (int(p) & _M64)) for s, p in zip(seeds, positions, strict=True)],
+        dtype=torch.int64,
+        device=device,
+    )
+    ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
+    x = _splitmix(key[:, None] + ids[None, :] * _to_i64(0x9E3779B97F4A7C15))
+    u = (_srl(x, 11).double() + 0.5) / float(1 << 53)  # in (0, 1)
+    return -torch.log(-torch.log(u))
+
+
+def sample_rows(logits: Any, samplings: Sequence[Sampling | None], positions: Sequence[int]) -> list[int]:
+    """One token per row of ``logits [rows, vocab]``: greedy where ``temperature <= 0``, else
+    temperature + top-p, all rows at once on the logits' device.
+
+    Sampling is Gumbel-max over the top-p set: ``argmax(logits / T + g)`` with ``g`` from
+    ``gumbel_noise`` is an exact draw from ``softmax(logits / T)`` restricted to that set. Why not
+    ``torch.multinomial`` per row: a CPU generator per row cost ~1.8 ms a row on the host, so a
+    decode step of 26 sequences spent ~50 ms sampling (the TPOT measured on the H200)."""
+    import torch
+
+    rows = logits.float()
+    n, vocab = rows.shape
+    ss = [s or Sampling(temperature=0.0) for s in samplings]
+    greedy = rows.argmax(-1)
+    hot = [i for i, s in enumerate(ss) if s.temperature > 0]
+    if not hot:
+        return [int(t) for t in greedy.tolist()]
+    dev = rows.device
+    h = torch.tensor(hot, device=dev)
+    temps = torch.tensor([ss[i].temperature for i in hot], dtype=torch.float32, device=dev)
+    scaled = rows[h] / temps[:, None]
+    top_p = torch.tensor([ss[i].top_p for i in hot], dtype=torch.float32, device=dev)
+    if bool((top_p < 1.0).any()):
+        probs = torch.softmax(scaled, dim=-1)
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p[:, None]
+        drop_sorted[:, 0] = False  # the most likely token always stays
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    g = gumbel_noise([ss[i].seed for i in hot], [positions[i] for i in hot], vocab, dev)
+    drawn = (scaled.double() + g).argmax(-1)
+    out = greedy.clone()
+    out[h] = drawn
+    return [int(t) for t in out.tolist()]
+
+
+def sample(logits: Any, sampling: Sampling | None, position: int) -> int:
+    """One token from a 1-D logits row (``sample_rows`` of one row)."""
+    return sample_rows(logits[None, :], [sampling], [position])[0]
 
 
 # -- KV cache codec --------------------------------------------------------------------------
@@ -787,18 +859,13 @@ class HFDecodeEngine(_Stage):
         with torch.inference_mode():
             logits = (self._graph_logits(ids, pos, n, kv_len) if self.cuda_graphs
                       else self._forward(ids, pos, n, kv_len))
-            greedy = logits.argmax(-1).tolist()  # one device sync for every greedy row
-            hot = [row for row, s in enumerate(seqs) if (self.sampling[s.request_id] or Sampling(0.0)).temperature > 0]
-            rows = logits[hot].float().cpu() if hot else None
+            # every row at once on the device, one sync (greedy and sampled rows alike)
+            drawn = sample_rows(logits, [self.sampling[s.request_id] for s in seqs], [len(s.generated) for s in seqs])
         tok: dict[str, int] = {}
         for row, s in enumerate(seqs):
             rid = s.request_id
             self.length[rid] += 1
-            tok[rid] = int(greedy[row])
-        for j, row in enumerate(hot):
-            s = seqs[row]
-            assert rows is not None
-            tok[s.request_id] = sample(rows[j], self.sampling[s.request_id], len(s.generated))
+            tok[rid] = drawn[row]
         return [tok[s.request_id] for s in batch]
 
     async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
