@@ -157,6 +157,20 @@ def test_chain_tokens_routes_and_envelopes() -> None:
     assert sum(enc_batches) == 40 and max(enc_batches) <= 8
 
 
+def test_same_host_blobs_carry_the_envelopes_and_leave_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a blob directory (``easerve serve``), envelopes carry a blob name instead of base64, the
+    chain gives the same tokens, and every blob is taken or discarded by the end."""
+    from easerve_runtime.workers.blobs import BLOB_DIR_ENV
+
+    monkeypatch.setenv(BLOB_DIR_ENV, str(tmp_path / "blobs"))
+    out = asyncio.run(drive(12, spec()))
+    for i, items in enumerate(out["results"]):
+        assert [x["token"] for x in items if "token" in x] == [token_at(i, k) for k in range(3)], items
+    sends = out["remote"].sent + out["local"].sent
+    assert sends and all("buffer_blob" in msg and "buffer" not in msg for _, msg in sends)
+    assert list((tmp_path / "blobs").iterdir()) == []
+
+
 def test_all_remote_when_ratio_one() -> None:
     out = asyncio.run(drive(12, spec(ratio=1.0)))
     assert {items[-1]["route"] for items in out["results"]} == {"remote"}

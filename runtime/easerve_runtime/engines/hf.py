@@ -208,15 +208,22 @@ def deferred_pack(kv: Any, ready: Any) -> Any:
     prefill's stream has produced it (``ready``, a CUDA event), so the copy neither waits for nor
     holds up the next prefill's kernels."""
 
+    held = [kv]  # released by the first call: the device copy must not live as long as the request
+
     def pack() -> memoryview:
         import torch
 
+        if not held:
+            raise RuntimeError("this KV cache was already packed")
+        dev = held.pop()
         if ready is None:
-            return _to_bytes(kv)
-        stream = torch.cuda.Stream(device=kv.device)
+            return _to_bytes(dev)
+        stream = torch.cuda.Stream(device=dev.device)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            host = kv.to("cpu")  # pageable: synchronous for this thread only
+            host = dev.to("cpu")  # pageable: synchronous for this thread only
+        dev.record_stream(stream)
+        del dev
         return _to_bytes(host)
 
     return pack

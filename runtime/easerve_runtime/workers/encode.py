@@ -222,11 +222,7 @@ class EncodeWorker:
             m.envelope_bytes.inc(env.nbytes)
             buffer, index = env.pack()
             msg: dict[str, Any] = {"index": index, "requests": metas[dest]}
-            if self.blobs is not None:
-                msg["buffer_blob"] = await self.blobs.put(buffer)
-            else:
-                msg["buffer"] = b64e(buffer)
-            task = asyncio.create_task(self._send(dest, msg))
+            task = asyncio.create_task(self._send(dest, msg, buffer))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
@@ -235,7 +231,9 @@ class EncodeWorker:
         self.metrics.envelope_in_flight.set(self.window.in_flight)
         self._window_free.set()
 
-    async def _send(self, dest: Any, msg: dict[str, Any]) -> None:
+    async def _send(self, dest: Any, msg: dict[str, Any], buffer: bytes | bytearray | memoryview) -> None:
+        """One envelope to ``dest``; its bytes go as a same-host blob (written here, in the send's own
+        task, so the next micro-batch is not held up) or inline as base64."""
         reqs = {r["id"]: r for r in msg["requests"]}
         pending = set(reqs)
         unprefilled = set(reqs)  # the router counts these as outstanding at ``dest``
@@ -243,6 +241,11 @@ class EncodeWorker:
         pool = self.local if dest == LOCAL else self.remote
         assert pool is not None
         try:
+            if self.blobs is not None:
+                msg["buffer_blob"] = await self.blobs.put(buffer)
+            else:
+                msg["buffer"] = b64e(buffer)
+            del buffer
             async for item in pool.stream(msg, instance=None if dest == LOCAL else dest, weight=len(reqs)):
                 if item.get("ack"):
                     if not released:
