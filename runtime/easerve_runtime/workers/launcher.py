@@ -182,12 +182,19 @@ def command(p: Proc, config_path: str) -> list[str]:
     raise ValueError(f"{p.name}: no local command for {args[:2]}")
 
 
+BLOB_SHM_MIN_FREE = 4 << 30
+"""A /dev/shm with less free space (a container's default is 64 MiB) cannot hold a few KV caches of
+a 7B model (~390 MB each); the workdir's page cache can."""
+
+
 def blob_dir(workdir: Path) -> Path:
     """Where this run's same-host blobs live (``workers.blobs``): a private directory in
-    ``/dev/shm`` (memory) when the host has one, else under the workdir."""
+    ``/dev/shm`` (memory) when the host has one with room, else under the workdir."""
     shm = Path("/dev/shm")
     if shm.is_dir() and os.access(shm, os.W_OK):
-        return Path(tempfile.mkdtemp(prefix="easerve-blobs-", dir=shm))
+        st = os.statvfs(shm)
+        if st.f_bavail * st.f_frsize >= BLOB_SHM_MIN_FREE:
+            return Path(tempfile.mkdtemp(prefix="easerve-blobs-", dir=shm))
     d = workdir / "blobs"
     d.mkdir(parents=True, exist_ok=True)
     return d
