@@ -9,7 +9,8 @@ meanwhile). When sender and receiver share a host, a file in a shared-memory dir
 same bytes at memory speed, written and read off the event loop.
 
 Enabled by ``$EASERVE_BLOB_DIR`` (``easerve serve`` sets it to a private directory under
-``/dev/shm``: every process it starts is on its host). Unset (pods on different nodes), stages
+``/dev/shm``, or under its workdir when ``/dev/shm`` is small: every process it starts is on its
+host). Unset (pods on different nodes), stages
 use the request plane as before. The receiver takes a blob (reads and deletes it); the sender
 discards it when its stream ends, so a receiver that died before reading leaves nothing behind.
 """
