@@ -129,7 +129,7 @@ def trial_runner(
     if not url:
         raise ValueError(
             "spec.tuning.trials is cluster, but no Prometheus is known to score the trials: set "
-            "spec.observability.prometheusUrl, or the operator's --prometheus-url (chart: tuning.prometheusUrl)"
+            "spec.observability.prometheusUrl, or the operator's --prometheus-url (chart: monitoring.prometheusUrl)"
         )
     from easerve_operator.tuning.prometheus import PrometheusScorer
     from easerve_operator.tuning.records import RecordStore
