@@ -398,7 +398,7 @@ class ProcessRunner:
         with self._lock:
             runs = list(self._pods.values())
             self._pods.clear()
-        threads = [threading.Thread(target=self._stop_run, args=(r, grace), daemon=True) for r in runs]
+        threads = [threading.Thread(target=self._stop_run, args=(r, grace, False), daemon=True) for r in runs]
         for t in threads:
             t.start()
         for t in threads:
@@ -749,11 +749,13 @@ class ProcessRunner:
         probe = Probe.of({**hook, "timeoutSeconds": max(1.0, grace)}, ports)
         if probe is not None:
             ok = probe.check(run.ip, c.env)
-            with open(c.log_path, "ab") as out:
+            with contextlib.suppress(OSError), open(c.log_path, "ab") as out:
                 out.write(f"--- {_now()} preStop hook {'done' if ok else 'failed'}\n".encode())
         return max(0.0, grace - (time.monotonic() - t0))
 
     def _kill_container(self, c: Container, grace: float, run: PodRun | None = None) -> None:
+        """``run`` given: its preStop hook first (a pod deletion); None: straight to SIGTERM (a
+        liveness kill, or the harness itself stopping: a drain pause serves nobody then)."""
         if run is not None:
             grace = self._pre_stop(run, c, grace)
         self._signal(c, signal.SIGTERM)
@@ -873,11 +875,12 @@ class ProcessRunner:
             if isinstance(done, threading.Event):
                 done.wait(run.grace + 15)
 
-    def _stop_run(self, run: PodRun, grace: float) -> None:
+    def _stop_run(self, run: PodRun, grace: float, pre_stop: bool = True) -> None:
         killed = threading.Event()
         run._killed = killed  # type: ignore[attr-defined]
         run.stop.set()
-        ts = [threading.Thread(target=self._kill_container, args=(c, grace, run), daemon=True) for c in run.containers]
+        hooks = run if pre_stop else None
+        ts = [threading.Thread(target=self._kill_container, args=(c, grace, hooks), daemon=True) for c in run.containers]
         for t in ts:
             t.start()
         for t in ts:

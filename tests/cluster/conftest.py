@@ -166,12 +166,13 @@ class PodsCluster:
             out.append("--- operator\n" + "\n".join(op.read_text(errors="replace").splitlines()[-10:]))
         return "\n".join(out)
 
-    def frontend_url(self, namespace: str, name: str, timeout: float = 30.0) -> str:
-        """The frontend Service's address, once the kube-proxy stand-in routes it to a ready pod
-        (its endpoint table trails pod readiness by a resync, as kube-proxy trails the API)."""
+    def frontend_url(self, namespace: str, name: str, timeout: float = 30.0, stage: str = "encode") -> str:
+        """The Service address of ``stage``'s pods (the frontend's: encode, or omni), once the
+        kube-proxy stand-in routes it to a ready pod (its endpoint table trails pod readiness by a
+        resync, as kube-proxy trails the API)."""
         from easerve_operator.render.stages import stage_name
 
-        svc = stage_name(name, "encode")
+        svc = stage_name(name, stage)
         url = str(self.proxy.url(namespace, svc, 8000))
         deadline = time.monotonic() + timeout
         while not self.proxy.ready_endpoints(namespace, svc, 8000) and time.monotonic() < deadline:

@@ -48,7 +48,6 @@ def test_disaggregated_example_runs_and_serves(pods_cluster: PodsCluster, exampl
 
 
 def test_omni_example_runs_and_serves(pods_cluster: PodsCluster) -> None:
-    from easerve_operator.render.stages import stage_name
     from easerve_runtime.api import Stage
 
     STAGE = str(Stage.OMNI)  # the omni pod's stage label and Service suffix (topology)
@@ -59,7 +58,7 @@ def test_omni_example_runs_and_serves(pods_cluster: PodsCluster) -> None:
     name = c.apply_example(path, ns, EASERVE_SIM_SPEEDUP=SIM_SPEEDUP)
     c.wait_ready(ns, name)
     _all_running(c, ns, name)  # omni-shared, omni-downstream and the partition controller (it used to exit 2)
-    url = c.proxy.url(ns, stage_name(name, STAGE), 8000)
+    url = c.frontend_url(ns, name, stage=STAGE)  # once the Service routes to the Ready pod
 
     def post(body: dict[str, Any]) -> dict[str, Any]:
         req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
