@@ -173,6 +173,7 @@ nohup "$K8S_BIN/kube-apiserver" \
   --service-account-key-file="$P/sa.pub" --service-account-signing-key-file="$P/sa.key" \
   --service-cluster-ip-range="$SERVICE_CIDR" \
   --endpoint-reconciler-type=none \
+  --kubelet-preferred-address-types=InternalIP \
   --allow-privileged=true --profiling=false \
   --cert-dir="$RUN/apiserver-certs" \
   --v=1 \

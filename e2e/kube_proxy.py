@@ -13,6 +13,14 @@ Service addresses never overlap, and two clusters on one machine do not collide)
 port)` and `url(ns, name, port)` return it; headless Services (clusterIP None) get no listener, as
 with kube-proxy. Only TCP.
 
+DNS: a cluster resolves ``<service>.<namespace>.svc.cluster.local`` (and ``<service>.<namespace>.svc``,
+``<service>.<namespace>``) through kube-dns; here there is none. With ``hosts_file``, this companion
+keeps a hosts file of those names -> the Service's address, and the process runner binds it over each
+container's ``/etc/hosts`` (its own mount namespace), so a pod reaches a Service by name as it would
+on a cluster (a load Job -> ``http://<trial>-encode.<ns>.svc:8000``). The file is rewritten in place
+(same inode: a bind mount keeps pointing at it), only when the set of Services changes; the host's own
+``/etc/hosts`` lines come first, so ``localhost`` still resolves.
+
 Use: ``p = KubeProxy(kubeconfig, octet=...).start(); p.url("default", "llava-v1-6-34b-encode", 8000)``.
 """
 
@@ -23,6 +31,7 @@ import contextlib
 import itertools
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -42,11 +51,37 @@ def _target_port(pod: dict[str, Any], target: Any) -> int | None:
     return None
 
 
+HOSTS_HEADER = "# written by the kube-proxy stand-in (e2e/kube_proxy.py): Service names of the local cluster\n"
+
+
+def hosts_text(rows: list[str]) -> str:
+    """The host's /etc/hosts, then one line per Service."""
+    try:
+        base = open("/etc/hosts").read()  # noqa: SIM115 - small file, read once per change
+    except OSError:
+        base = "127.0.0.1\tlocalhost\n"
+    if not base.endswith("\n"):
+        base += "\n"
+    return base + HOSTS_HEADER + "".join(r + "\n" for r in rows)
+
+
+def write_in_place(path: str, text: str) -> None:
+    """Overwrite ``path`` keeping its inode (bind mounts of it see the new content)."""
+    data = text.encode()
+    with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+        f.write(data)
+        f.truncate(len(data))
+
+
 class KubeProxy:
     """Service address -> ready endpoints, forwarded per connection (see the module docstring)."""
 
-    def __init__(self, kubeconfig: str, octet: int | None = None, resync_s: float = 0.5) -> None:
+    def __init__(
+        self, kubeconfig: str, octet: int | None = None, resync_s: float = 0.5, hosts_file: str | None = None
+    ) -> None:
         self.kubeconfig = kubeconfig
+        self.hosts_file = hosts_file
+        self._hosts = ""
         self.octet = (octet if octet is not None else 30) + 100
         self.resync_s = resync_s
         self._loop = asyncio.new_event_loop()
@@ -163,6 +198,7 @@ class KubeProxy:
                         addrs.append((p["status"]["podIP"], tp))
                 table[key] = sorted(addrs)
         self._table = table
+        self._write_hosts(svcs)
         for key in [k for k in self._servers if k not in want or self._servers[k][0] != want[k]]:
             _, srv = self._servers.pop(key)
             srv.close()
@@ -178,6 +214,20 @@ class KubeProxy:
                 continue
             self._servers[key] = (host, srv)
             self._rr[key] = itertools.count()
+
+    def _write_hosts(self, svcs: list[dict[str, Any]]) -> None:
+        if self.hosts_file is None:
+            return
+        rows = []
+        for s in svcs:
+            md, ip = s["metadata"], (s.get("spec") or {}).get("clusterIP")
+            if ip and ip != "None":
+                n, ns = md["name"], md["namespace"]
+                rows.append(f"{self.service_address(ip)}\t{n}.{ns}.svc.cluster.local {n}.{ns}.svc {n}.{ns}")
+        text = hosts_text(sorted(rows))
+        if text != self._hosts:
+            write_in_place(self.hosts_file, text)
+            self._hosts = text
 
     # ------------------------------------------------------------------ forwarding
     async def _forward(self, key: tuple[str, str, int], reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

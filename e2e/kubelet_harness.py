@@ -11,7 +11,10 @@ kubelet: pods get bound to a node and then nothing runs them. This harness fills
 * finishes graceful deletions (a bound pod with a deletionTimestamp waits for its kubelet to confirm;
   without this, namespaces and rolling updates hang forever);
 * can be paused (new pods stay not ready) and resumed, so tests can watch a workload move from
-  Progressing to Ready; and can flip a single pod to not-ready.
+  Progressing to Ready; and can flip a single pod to not-ready;
+* with a runner that keeps logs (the ProcessRunner), serves the kubelet API's ``/containerLogs``
+  (e2e/kubelet_api.py) on the port the Node advertises, so ``kubectl logs`` and the client's
+  ``read_namespaced_pod_log`` work as on a real node.
 
 What "running a pod" means is the extension point: a `PodRunner`. The default, `MarkReadyRunner`, runs
 nothing and reports the pod ready at once (enough for control-plane tests, and ~100 pods/s). The
@@ -108,6 +111,7 @@ class KubeletHarness:
         runner: PodRunner | None = None,
         workers: int = 4,
         pod_cidr_prefix: str = "10.244",
+        serve_api: bool | None = None,
     ) -> None:
         self.kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
         self.node = node
@@ -134,6 +138,9 @@ class KubeletHarness:
         self.finalized = 0  # graceful deletions completed
         self._api: Any = None
         self._core: Any = None
+        # the kubelet API (pod logs, e2e/kubelet_api.py): served when the runner keeps logs
+        self.serve_api = hasattr(self.runner, "log_path") if serve_api is None else serve_api
+        self.kubelet_api: Any = None
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, timeout: float = 30.0) -> KubeletHarness:
@@ -145,6 +152,10 @@ class KubeletHarness:
         self._core = client.CoreV1Api(self._api)
         if hasattr(self.runner, "attach"):
             self.runner.attach(self._core, self._patch_status, self.node, self._api.configuration.host)
+        if self.serve_api and self.kubelet_api is None:
+            from kubelet_api import KubeletApi
+
+            self.kubelet_api = KubeletApi(self._runner_log, self._runner_running).start()
         self._register_node()
         self._stop.clear()
         t = threading.Thread(target=self._watch_loop, name=f"kubelet-harness-watch-{self.node}", daemon=True)
@@ -177,6 +188,18 @@ class KubeletHarness:
         self._synced.clear()
         if hasattr(self.runner, "stop_all"):
             self.runner.stop_all()  # no process outlives the harness
+        if self.kubelet_api is not None:
+            self.kubelet_api.stop()
+            self.kubelet_api = None
+
+    def _runner_log(self, namespace: str, pod: str, container: str) -> Any:
+        """The log file of a container the runner ran (None: not on this node)."""
+        path = self.runner.log_path(namespace, pod, container)  # type: ignore[attr-defined]
+        return path if path.exists() else None
+
+    def _runner_running(self, namespace: str, pod: str) -> bool:
+        pids = getattr(self.runner, "pids", None)
+        return bool(pids(namespace, pod)) if pids is not None else False
 
     def __enter__(self) -> KubeletHarness:
         return self.start()
@@ -282,6 +305,8 @@ class KubeletHarness:
                     {"type": "InternalIP", "address": "127.0.0.1"},
                     {"type": "Hostname", "address": self.node},
                 ],
+                # where the apiserver reaches "the kubelet" for pod logs (k8s-up.sh prefers InternalIP)
+                "daemonEndpoints": {"kubeletEndpoint": {"Port": self.kubelet_api.port if self.kubelet_api else 10250}},
                 "nodeInfo": {
                     "kubeletVersion": "v1.20.2",
                     "kubeProxyVersion": "v1.20.2",

@@ -247,8 +247,10 @@ class LocalCluster(Cluster):
         return r.stdout.strip().splitlines()[-1] if r.stdout.strip() else ""
 
     def stop(self, purge: bool = True) -> None:
-        """Stop the kube proxy, the kubelet harness (and the processes it runs) and every process
-        k8s-up.sh started (by PID)."""
+        """Stop Prometheus, the kube proxy, the kubelet harness (and the processes it runs) and every
+        process k8s-up.sh started (by PID)."""
+        if getattr(self, "prometheus_url", None):
+            self.stop_prometheus()
         if self.proxy is not None:
             self.proxy.stop()
             self.proxy = None
@@ -264,10 +266,78 @@ class LocalCluster(Cluster):
         if purge and self.remove_run_dir:
             shutil.rmtree(self.run_dir, ignore_errors=True)
 
+    # ------------------------------------------------------------------ Prometheus
+    def start_prometheus(self, interval: str = "1s") -> str:
+        """A real Prometheus (Debian's, e2e/prom-up.sh) that scrapes this cluster's serving pods the way
+        the chart's PodMonitor does (`pods_scrape_config`); returns its URL. Stopped by `stop`."""
+        prom = Path(self.run_dir, "prom")
+        prom.mkdir(parents=True, exist_ok=True)
+        cfg = prom / "prometheus.yml"
+        cfg.write_text(pods_scrape_config(api_url_of(self.kubeconfig), Path(self.run_dir, "pki"), interval))
+        r = subprocess.run(
+            ["bash", str(E2E / "prom-up.sh"), str(cfg)],
+            env=dict(os.environ, PROM_DIR=str(prom)),
+            capture_output=True,
+            text=True,
+        )
+        if r.returncode != 0:
+            raise RuntimeError(f"e2e/prom-up.sh failed: {r.stderr[-2000:]}")
+        self.prometheus_url = r.stdout.strip().splitlines()[-1]
+        return self.prometheus_url
+
+    def stop_prometheus(self) -> None:
+        prom = Path(self.run_dir, "prom")
+        if prom.exists():
+            subprocess.run(["bash", str(E2E / "prom-down.sh")], env=dict(os.environ, PROM_DIR=str(prom)),
+                           capture_output=True, text=True)
+        self.prometheus_url = None
+
     def log_tail(self, component: str = "kube-apiserver", lines: int = 30) -> str:
         """Last lines of a component's log (for failure messages)."""
         p = Path(self.run_dir, "logs", f"{component}.log")
         return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
+
+
+SCRAPED_PORTS = ("http", "system", "system-lp")
+"""The container ports the chart's PodMonitor scrapes: the frontend's HTTP port, the workers' system ports."""
+
+
+def pods_scrape_config(api_url: str, pki: Path, interval: str = "1s") -> str:
+    """prometheus.yml for the local cluster: the chart's PodMonitor (charts/easerve/templates/
+    monitoring.yaml) as a plain scrape config, for a Prometheus without the Prometheus Operator.
+
+    Pod discovery reads the apiserver (admin client certificate); the targets are the pods'
+    loopback IPs (the kubelet harness's pod network), so Prometheus on this host reaches them. The
+    labels are the PodMonitor's: ``namespace``, ``pod``, ``container``, ``epd_deployment``,
+    ``epd_stage``, which is what the operator's trial scorer selects on."""
+    import yaml
+
+    tls = {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "admin.crt"), "key_file": str(pki / "admin.key")}
+    relabel = [
+        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_deployment"], "regex": ".+", "action": "keep"},
+        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "|".join(SCRAPED_PORTS),
+         "action": "keep"},
+        {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Running", "action": "keep"},
+        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
+        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
+        {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
+        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_deployment"], "target_label": "epd_deployment"},
+        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_stage"], "target_label": "epd_stage"},
+    ]
+    cfg = {
+        "global": {"scrape_interval": interval, "evaluation_interval": interval},
+        "scrape_configs": [
+            {
+                "job_name": "easerve-pods",
+                "scrape_interval": interval,
+                "scrape_timeout": interval,
+                "metrics_path": "/metrics",
+                "kubernetes_sd_configs": [{"role": "pod", "api_server": api_url, "tls_config": tls}],
+                "relabel_configs": relabel,
+            }
+        ],
+    }
+    return str(yaml.safe_dump(cfg, sort_keys=False))
 
 
 def start_harness(
@@ -291,19 +361,22 @@ def start_harness(
 
     g = gpus if gpus is not None else int(os.environ.get("EASERVE_HARNESS_GPUS", "16" if processes else "64"))
     runner: Any = None
+    hosts: str | None = None
     if processes:
+        from kube_proxy import hosts_text, write_in_place
         from process_runner import ProcessRunner
 
+        root = root or os.path.join(getattr(cluster, "run_dir", tempfile.gettempdir()), "pods")
+        os.makedirs(root, exist_ok=True)
+        hosts = os.path.join(root, "cluster-hosts")  # the Service names, kept by the kube-proxy stand-in
+        write_in_place(hosts, hosts_text([]))
         runner = ProcessRunner(
-            root=root or os.path.join(getattr(cluster, "run_dir", tempfile.gettempdir()), "pods"),
-            gpus=g,
-            readiness_period_s=readiness_period_s,
-            backoff_s=backoff_s,
+            root=root, gpus=g, readiness_period_s=readiness_period_s, backoff_s=backoff_s, hosts_file=hosts
         )
     h = KubeletHarness(cluster.kubeconfig, node=node, gpus=g, delay_ms=delay_ms, runner=runner).start()
     cluster.harness = h
     if processes:
         from kube_proxy import KubeProxy
 
-        cluster.proxy = KubeProxy(cluster.kubeconfig, octet=runner.ips.octet).start()
+        cluster.proxy = KubeProxy(cluster.kubeconfig, octet=runner.ips.octet, hosts_file=hosts).start()
     return h

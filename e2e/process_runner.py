@@ -26,6 +26,9 @@ kubelet's pod workers, so the pod specs the operator renders are really executed
   that turns ``bind(("0.0.0.0", port))`` into ``bind((podIP, port))``; Dynamo's Rust listeners get
   ``DYN_SYSTEM_HOST``, ``DYN_TCP_RPC_HOST``, ``DYN_TCP_RESPONSE_STREAM_HOST`` and
   ``DYN_EVENT_PLANE_HOST``; a literal ``0.0.0.0`` in argv is replaced by the pod IP.
+* **DNS**: with ``hosts_file`` (kept by the kube-proxy stand-in), each container's ``/etc/hosts`` is that
+  file, bind-mounted read-only: ``<service>.<namespace>.svc[.cluster.local]`` resolves to the Service's
+  stand-in address, as kube-dns would make it resolve (mount namespaces only).
 * **GPUs**: the node advertises ``nvidia.com/gpu``; a container that requests N gets N device indices
   of its own (freed when the pod stops) in ``NVIDIA_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES``; a
   container that requests none gets ``NVIDIA_VISIBLE_DEVICES=void`` and an empty
@@ -317,6 +320,7 @@ class ProcessRunner:
         mount_namespaces: bool | None = None,
         extra_env: dict[str, str] | None = None,
         tick_s: float = 0.1,
+        hosts_file: str | None = None,
     ) -> None:
         self.root = Path(root or tempfile.mkdtemp(prefix="easerve-pods-"))
         self.root.mkdir(parents=True, exist_ok=True)
@@ -328,6 +332,7 @@ class ProcessRunner:
         self.use_mount_ns = mount_namespaces_available() if mount_namespaces is None else mount_namespaces
         self.extra_env = dict(extra_env or {})
         self.tick_s = tick_s
+        self.hosts_file = hosts_file  # bound over each container's /etc/hosts (the Service names)
         self.node = "easerve-node-0"
         self.api_host, self.api_port = "127.0.0.1", "443"
         self._core: Any = None
@@ -628,7 +633,7 @@ class ProcessRunner:
             argv = self._argv(c, env, run.ip)
             mounts = [(vols[m["name"]], m) for m in c.get("volumeMounts") or [] if m["name"] in vols]
             if self.use_mount_ns:
-                argv = self._mount_wrapper(mounts, argv)
+                argv = self._mount_wrapper(mounts, argv, self.hosts_file)
             else:
                 argv, env = self._rewrite_paths(mounts, argv, env)
             ports = {p["name"]: int(p["containerPort"]) for p in c.get("ports") or [] if p.get("name")}
@@ -652,8 +657,12 @@ class ProcessRunner:
             log.warning("%s/%s: initContainers are not run by the kubelet harness", run.namespace, run.name)
 
     @staticmethod
-    def _mount_wrapper(mounts: list[tuple[Path, dict[str, Any]]], argv: list[str]) -> list[str]:
+    def _mount_wrapper(
+        mounts: list[tuple[Path, dict[str, Any]]], argv: list[str], hosts_file: str | None = None
+    ) -> list[str]:
         lines = ["set -e"]
+        if hosts_file:  # cluster DNS stand-in: the Service names (e2e/kube_proxy.py), read-only
+            lines.append(f"mount --bind {shlex.quote(hosts_file)} /etc/hosts && mount -o remount,bind,ro /etc/hosts")
 
         def under(path: str, top: str) -> bool:
             top = top.rstrip("/") or "/"
@@ -708,7 +717,8 @@ class ProcessRunner:
     def _spawn(self, run: PodRun, c: Container) -> None:
         c.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(c.log_path, "ab") as out:
-            out.write(f"--- {_now()} start (restart {c.restarts}): {shlex.join(c.argv[-12:])}\n".encode())
+            cmd = shlex.join(c.argv[-12:]).replace("\n", "\\n")  # one line: the mount wrapper is a script
+            out.write(f"--- {_now()} start (restart {c.restarts}): {cmd}\n".encode())
             out.flush()
             c.proc = subprocess.Popen(
                 c.argv,
