@@ -375,6 +375,10 @@ class _Stage:
         self.stop_token_ids = stop_token_ids(path) or stop_token_ids(path, load_tokenizer(path, trust_remote_code))
 
 
+ENCODE_CHUNK_ENV = "EASERVE_ENCODE_CHUNK"
+DEFAULT_ENCODE_CHUNK = 4
+
+
 class HFEncodeEngine(_Stage):
     """:class:`EncodeEngine`: chat template + processor + the model's own feature extractor.
 
@@ -396,6 +400,12 @@ class HFEncodeEngine(_Stage):
         self.profile = False
         """Benchmarks: synchronize between phases and record their times in ``last_timing`` (ms)."""
         self.last_timing: dict[str, float] = {}
+        default_chunk = DEFAULT_ENCODE_CHUNK if str(device).startswith("cuda") else 0
+        self.chunk_images = int(os.environ.get(ENCODE_CHUNK_ENV, default_chunk))
+        """Pipeline a micro-batch in chunks of this many media items (0: one pass; ``_encode_pipelined``)."""
+        self._prep_pool: Any = None
+        self._prep_stream: Any = None
+        self._host_stream: Any = None
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
         return sum(len(r.parts) for r in batch)
@@ -407,31 +417,24 @@ class HFEncodeEngine(_Stage):
             for r in batch
         ]
 
-    def _encode_sync(self, batch: Sequence[EncodeInput]) -> list[Embedding]:
-        import time
-
-        import torch
-
-        marks = [("start", time.perf_counter())]
-
-        def mark(name: str) -> None:
-            if self.profile:
-                if str(self.device).startswith("cuda"):
-                    torch.cuda.synchronize()
-                marks.append((name, time.perf_counter()))
-
-        texts = self._prompts(batch)
+    def _check_kinds(self, batch: Sequence[EncodeInput]) -> str:
         kind = "audio" if self.family == "qwen2_audio" else "image"
         for r in batch:
             bad = [p.kind for p in r.parts if p.kind != kind]
             if bad:
                 raise ValueError(f"request {r.request_id}: {bad[0]} parts are not served by this {self.family} model")
+        return kind
+
+    def _prepare(self, batch: Sequence[EncodeInput], kind: str, mark: Any = None) -> Any:
+        """Chat template, media decode (nvJPEG on CUDA) and the processor: the model's inputs."""
+        texts = self._prompts(batch)
         parts = [p for r in batch for p in r.parts]
         kw: dict[str, Any] = {"text": texts, "return_tensors": "pt", "padding": True}
         if parts and kind == "image":
             imgs = gpu_decode_jpegs(parts, self.device) if self.gpu_decode else None
             kw["images"] = imgs if imgs is not None else [decode_image(p) for p in parts]
-            mark("decode_media")
+            if mark is not None:
+                mark("decode_media")
             if imgs is not None:
                 kw["device"] = self.device  # the processor's torchvision backend works on the CUDA tensors
         elif parts:
@@ -447,15 +450,120 @@ class HFEncodeEngine(_Stage):
             kw["images"] = [decode_image(p) for p in parts]
             enc = self.processor(**kw)
         self.last_path = "gpu" if "device" in kw else "cpu"
+        return enc
+
+    def _chunks(self, batch: Sequence[EncodeInput]) -> list[list[int]]:
+        """Requests grouped in order into chunks of at least ``chunk_images`` media items (0: one chunk)."""
+        c = self.chunk_images
+        if c <= 0 or self.family != "llava_next":
+            return [list(range(len(batch)))]
+        out: list[list[int]] = [[]]
+        items = 0
+        for i, r in enumerate(batch):
+            if items >= c:
+                out.append([])
+                items = 0
+            out[-1].append(i)
+            items += len(r.parts)
+        return out
+
+    def _encode_sync(self, batch: Sequence[EncodeInput]) -> list[Embedding]:
+        kind = self._check_kinds(batch)
+        chunks = self._chunks(batch)
+        if len(chunks) > 1 and not self.profile:
+            return self._encode_pipelined(batch, kind, chunks)
+        return self._encode_serial(batch, kind)
+
+    def _encode_serial(self, batch: Sequence[EncodeInput], kind: str) -> list[Embedding]:
+        import time
+
+        import torch
+
+        marks = [("start", time.perf_counter())]
+
+        def mark(name: str) -> None:
+            if self.profile:
+                if str(self.device).startswith("cuda"):
+                    torch.cuda.synchronize()
+                marks.append((name, time.perf_counter()))
+
+        enc = self._prepare(batch, kind, mark)
         mark("processor")
-        ids_all = enc["input_ids"].cpu()
-        mask_all = enc["attention_mask"].cpu().bool()
+        has_parts = any(r.parts for r in batch)
         with torch.inference_mode():
-            feats = self._features(enc) if parts else []
+            feats = self._features(enc) if has_parts else []
             mark("tower")
             # one device->host copy for the whole micro-batch (pinned, on a GPU), then per-request views:
             # a pageable .cpu() per request plus a bytes copy cost ~24 MB x 2 host copies per 1080p image
             host, offsets = self._rows_to_host(feats)
+        out = self._embeddings(batch, enc, host, offsets)
+        mark("to_host")
+        if self.profile:
+            self.last_timing = {n: round(1e3 * (t - marks[i][1]), 2) for i, (n, t) in enumerate(marks[1:])}
+        return out
+
+    def _encode_pipelined(self, batch: Sequence[EncodeInput], kind: str, chunks: list[list[int]]) -> list[Embedding]:
+        """The micro-batch in chunks: chunk k+1's template, nvJPEG and processor run on a helper
+        thread (its own CUDA stream) while chunk k's tower runs, and chunk k's rows go to the host
+        on a copy stream while chunk k+1's tower runs. Same model calls on the same inputs as one
+        serial pass, chunk by chunk.
+
+        Why: at 1080p and B = 16 on an H200 the processor (~32 ms, mostly host work) and the copy
+        to the host (~6 ms) ran between towers (~81 ms), idling the GPU for a third of the batch."""
+        import concurrent.futures
+
+        import torch
+
+        cuda = str(self.device).startswith("cuda")
+        if self._prep_pool is None:
+            self._prep_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="easerve-encode-prep")
+            if cuda:
+                self._prep_stream = torch.cuda.Stream(device=self.device)
+                self._host_stream = torch.cuda.Stream(device=self.device)
+
+        def prep(idx: list[int]) -> tuple[Any, Any]:
+            import contextlib
+
+            ctx = torch.cuda.stream(self._prep_stream) if cuda else contextlib.nullcontext()
+            with ctx, torch.inference_mode():
+                enc = self._prepare([batch[i] for i in idx], kind)
+                ready = None
+                if cuda:
+                    ready = torch.cuda.Event()
+                    ready.record(self._prep_stream)
+            return enc, ready
+
+        futs = [self._prep_pool.submit(prep, idx) for idx in chunks]
+        done: list[tuple[list[int], Any, Any, list[int]]] = []
+        try:
+            for idx, fut in zip(chunks, futs, strict=True):
+                enc, ready = fut.result()
+                with torch.inference_mode():
+                    if cuda:
+                        main = torch.cuda.current_stream(self.device)
+                        main.wait_event(ready)
+                        for v in enc.values():  # made on the helper's stream, read on this one
+                            if isinstance(v, torch.Tensor) and v.is_cuda:
+                                v.record_stream(main)
+                    has_parts = any(batch[i].parts for i in idx)
+                    feats = self._features(enc) if has_parts else []
+                    host, offsets = self._rows_to_host(feats, wait=False)
+                done.append((idx, enc, host, offsets))
+        finally:
+            for f in futs:  # an error: let the helper finish what it started before the next batch
+                f.cancel()
+            concurrent.futures.wait(futs)
+        if cuda and self._host_stream is not None:
+            self._host_stream.synchronize()
+        out: list[Embedding | None] = [None] * len(batch)
+        for idx, enc, host, offsets in done:
+            for i, emb in zip(idx, self._embeddings([batch[i] for i in idx], enc, host, offsets), strict=True):
+                out[i] = emb
+        return [e for e in out if e is not None]
+
+    def _embeddings(self, batch: Sequence[EncodeInput], enc: Any, host: Any, offsets: list[int]) -> list[Embedding]:
+        ids_all = enc["input_ids"].cpu()
+        mask_all = enc["attention_mask"].cpu().bool()
         out: list[Embedding] = []
         item = 0
         for i, r in enumerate(batch):
@@ -474,13 +582,13 @@ class HFEncodeEngine(_Stage):
                 data, shape, dtype = b"", (0, 0), "float32"
             out.append(Embedding(r.request_id, data, shape, dtype,
                                  extra={"input_ids": ids, "text_tokens": len(ids) - mm}))
-        mark("to_host")
-        if self.profile:
-            self.last_timing = {n: round(1e3 * (t - marks[i][1]), 2) for i, (n, t) in enumerate(marks[1:])}
         return out
 
-    def _rows_to_host(self, feats: Sequence[Any]) -> tuple[Any, list[int]]:
-        """All items' rows in one host tensor (one copy, pinned on a GPU) and each item's first row."""
+    def _rows_to_host(self, feats: Sequence[Any], wait: bool = True) -> tuple[Any, list[int]]:
+        """All items' rows in one host tensor (one copy, pinned on a GPU) and each item's first row.
+
+        ``wait=False`` (on a GPU): the copy runs on the host-copy stream once this stream has made
+        the rows; the caller synchronizes that stream before reading the host tensor."""
         import torch
 
         offsets = [0]
@@ -492,8 +600,16 @@ class HFEncodeEngine(_Stage):
         if rows.device.type != "cuda":
             return rows.contiguous(), offsets
         host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        torch.cuda.current_stream(rows.device).synchronize()
+        if wait or self._host_stream is None:
+            host.copy_(rows, non_blocking=True)
+            torch.cuda.current_stream(rows.device).synchronize()
+            return host, offsets
+        made = torch.cuda.Event()
+        made.record()
+        with torch.cuda.stream(self._host_stream):
+            self._host_stream.wait_event(made)
+            host.copy_(rows, non_blocking=True)
+        rows.record_stream(self._host_stream)
         return host, offsets
 
     def _features(self, enc: Any) -> list[Any]:
@@ -504,8 +620,8 @@ class HFEncodeEngine(_Stage):
         dev = self.device
         if self.family == "llava_next":
             pv = enc["pixel_values"].to(dev, self.loaded.dtype)
-            feats = m.get_image_features(
-                pv, enc["image_sizes"].to(dev),
+            feats = m.get_image_features(  # image_sizes on the host: only read for shapes (no device sync)
+                pv, enc["image_sizes"].cpu(),
                 vision_feature_layer=self.loaded.config.vision_feature_layer,
                 vision_feature_select_strategy=self.loaded.config.vision_feature_select_strategy,
             ).pooler_output
