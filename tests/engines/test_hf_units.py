@@ -132,8 +132,14 @@ def test_kv_bucket_covers_the_longest_row_and_caps_at_the_slot() -> None:
 
     assert kv_bucket(1, 4096) == 256
     assert kv_bucket(257, 4096) == 512
-    assert kv_bucket(2049, 4096) == 4096
+    assert kv_bucket(1024, 4096) == 1024
+    assert kv_bucket(1025, 4096) == 1536  # past 1024: the next multiple of 512, not the next power of two
+    assert kv_bucket(2049, 4096) == 2560
+    assert kv_bucket(2901, 4096) == 3072  # a 1080p LLaVA-NeXT prompt reads 3072 positions, not 4096
+    assert kv_bucket(4000, 4096) == 4096
     assert kv_bucket(2049, 2304) == 2304
+    for need in range(1, 4097, 7):
+        assert need <= kv_bucket(need, 4096) <= 4096
 
 
 def test_decode_engine_uses_the_slot_attention(model_dirs: dict[str, Path]) -> None:

@@ -111,7 +111,8 @@ def reference(llava: Path) -> Callable[[int], list[int]]:
 class EPD:
     """Encode + remote prefill + local prefill + one decode worker, in one loop."""
 
-    def __init__(self, llava: Path, engines: dict[str, Any], ratio: float, slots: int, chunk: int = 4096) -> None:
+    def __init__(self, llava: Path, engines: dict[str, Any], ratio: float, slots: int, chunk: int = 4096,
+                 stage_buffers: int | None = None) -> None:
         from easerve_runtime.engines.hf import HFDecodeEngine
 
         spec = parse_spec({
@@ -125,7 +126,7 @@ class EPD:
         })
         m = Metrics()
         self.metrics = m
-        self.decode_engine = HFDecodeEngine(llava, max_slots=slots, max_len=256)
+        self.decode_engine = HFDecodeEngine(llava, max_slots=slots, max_len=256, stage_buffers=stage_buffers)
         self.refused = 0
         admit = self.decode_engine.can_admit
 
@@ -229,3 +230,68 @@ def test_more_requests_than_kv_slots_wait_and_all_complete(llava: Path, engines:
     assert not epd.decode_engine.slot_of  # every slot was released
     for i, out in enumerate(outs):
         assert out["tokens"] == reference(i)
+
+
+@pytest.mark.parametrize("stage_buffers", [0, 1])
+def test_kv_staging_with_fewer_buffers_than_waiting_caches(llava: Path, engines: dict[str, Any], reference: Any,
+                                                          stage_buffers: int, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Caches that find no free staging buffer wait on the host and are staged (or loaded at
+    admission) later; every output still equals generate, every buffer comes back, and the decode
+    loop's statistics file counts what happened."""
+    import json
+
+    monkeypatch.setenv("EASERVE_DECODE_STATS", str(tmp_path))
+
+    async def main() -> tuple[list[dict[str, Any]], EPD]:
+        async with EPD(llava, engines, 0.5, slots=2, stage_buffers=stage_buffers) as epd:
+            outs = await asyncio.gather(*(epd.ask(request(i)[0]) for i in range(5)))
+            await asyncio.sleep(0.05)  # the loop goes idle and writes its statistics
+            return list(outs), epd
+
+    outs, epd = asyncio.run(main())
+    eng = epd.decode_engine
+    assert eng.stage_buffers == stage_buffers
+    for i, out in enumerate(outs):
+        assert out["tokens"] == reference(i)
+    assert len(eng._stage_free) == stage_buffers and not eng._staged  # every buffer came back
+    st = eng.stats
+    assert st["admits"] == 5 and st["staged"] + st["admit_unstaged"] == 5
+    if stage_buffers == 0:
+        assert st["staged"] == 0
+    else:
+        assert st["staged"] >= 1  # with 2 slots and 5 requests at once, some waited on the host
+    assert st["steps"] > 0 and st["rows"] >= st["steps"]
+    (stats_file,) = tmp_path.glob("decode-*.json")
+    doc = json.loads(stats_file.read_text())
+    assert doc["engine"]["admits"] == 5 and doc["loop"]["admitted"] == 5 and doc["loop"]["iterations"] > 0
+
+
+def test_chunked_encode_equals_one_pass(engines: dict[str, Any]) -> None:
+    """The pipelined encode (chunks of 1 image, processor on the helper thread) gives the same
+    token ids and embedding rows as one processor call and one tower pass over the batch."""
+    from easerve_runtime.engines.base import EncodeInput
+    from easerve_runtime.workers.wire import part_from_wire
+
+    enc = engines["encode"]
+    batch = []
+    for i in range(4):
+        wire = request(i)[0]
+        batch.append(EncodeInput(wire["id"], tuple(part_from_wire(p) for p in wire["parts"]), i,
+                                 tuple(wire["messages"])))
+    batch.append(EncodeInput("text-only", (), 9, ({"role": "user", "content": [{"type": "text", "text": "hi"}]},)))
+    old = enc.chunk_images
+    try:
+        enc.chunk_images = 0
+        one = enc._encode_sync(batch)
+        enc.chunk_images = 1
+        assert len(enc._chunks(batch)) == 5
+        chunked = enc._encode_sync(batch)
+    finally:
+        enc.chunk_images = old
+    assert [e.request_id for e in chunked] == [r.request_id for r in batch]
+    for a, b in zip(one, chunked, strict=True):
+        assert a.extra == b.extra and a.shape == b.shape and a.dtype == b.dtype
+        x = np.frombuffer(a.data, dtype=np.float32) if a.dtype == "float32" else np.frombuffer(a.data, np.uint16)
+        y = np.frombuffer(b.data, dtype=x.dtype)
+        np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

@@ -121,6 +121,11 @@ def sample_rows(logits: Any, samplings: Sequence[Sampling | None], positions: Se
     ``gumbel_noise`` is an exact draw from ``softmax(logits / T)`` restricted to that set. Why not
     ``torch.multinomial`` per row: a CPU generator per row cost ~1.8 ms a row on the host, so a
     decode step of 26 sequences spent ~50 ms sampling (the TPOT measured on the H200)."""
+    return [int(t) for t in sample_rows_tensor(logits, samplings, positions).tolist()]
+
+
+def sample_rows_tensor(logits: Any, samplings: Sequence[Sampling | None], positions: Sequence[int]) -> Any:
+    """``sample_rows`` left on the device (``[rows]`` int64): no host sync, so a caller can time it."""
     import torch
 
     rows = logits.float()
@@ -129,13 +134,13 @@ def sample_rows(logits: Any, samplings: Sequence[Sampling | None], positions: Se
     greedy = rows.argmax(-1)
     hot = [i for i, s in enumerate(ss) if s.temperature > 0]
     if not hot:
-        return [int(t) for t in greedy.tolist()]
+        return greedy
     dev = rows.device
     h = torch.tensor(hot, device=dev)
     temps = torch.tensor([ss[i].temperature for i in hot], dtype=torch.float32, device=dev)
     scaled = rows[h] / temps[:, None]
-    top_p = torch.tensor([ss[i].top_p for i in hot], dtype=torch.float32, device=dev)
-    if bool((top_p < 1.0).any()):
+    if any(ss[i].top_p < 1.0 for i in hot):  # decided on the host: no device sync before the draw
+        top_p = torch.tensor([ss[i].top_p for i in hot], dtype=torch.float32, device=dev)
         probs = torch.softmax(scaled, dim=-1)
         sorted_p, order = torch.sort(probs, dim=-1, descending=True)
         drop_sorted = torch.cumsum(sorted_p, dim=-1) - sorted_p >= top_p[:, None]
@@ -146,7 +151,7 @@ def sample_rows(logits: Any, samplings: Sequence[Sampling | None], positions: Se
     drawn = (scaled.double() + g).argmax(-1)
     out = greedy.clone()
     out[h] = drawn
-    return [int(t) for t in out.tolist()]
+    return out
 
 
 def sample(logits: Any, sampling: Sampling | None, position: int) -> int:
@@ -744,7 +749,6 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     attends to ``[n, kv_heads, L, d]`` under the same per-row mask, which is the same
     computation. Anything else (prefill, no mask, no GQA) goes to transformers' own SDPA.
     """
-    import torch
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1))
@@ -754,8 +758,43 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     n, heads, _, d = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(n, kv_heads, groups, d)  # query head h uses KV head h // groups (repeat_kv's order)
-    out = torch.nn.functional.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    out = _folded_attention(q, key, value, attention_mask, scaling)
     return out.reshape(n, heads, 1, d).transpose(1, 2).contiguous(), None
+
+
+DECODE_ATTENTION_KERNELS = ("sdpa", "math", "sdpa-efficient", "sdpa-cudnn")
+_decode_kernel = os.environ.get("EASERVE_DECODE_ATTN", "sdpa")
+
+
+def set_decode_attention_kernel(name: str) -> None:
+    """Which kernel the folded decode attention runs (benchmarks compare them; CUDA graphs captured
+    before a change keep the kernel they were captured with): ``sdpa`` (torch picks), ``math``
+    (two batched matmuls and a float32 softmax), ``sdpa-efficient`` / ``sdpa-cudnn`` (one SDPA
+    backend forced). All compute the same attention."""
+    global _decode_kernel
+    if name not in DECODE_ATTENTION_KERNELS:
+        raise ValueError(f"decode attention kernel {name!r}: one of {', '.join(DECODE_ATTENTION_KERNELS)}")
+    _decode_kernel = name
+
+
+def _folded_attention(q: Any, key: Any, value: Any, mask: Any, scaling: float | None) -> Any:
+    """Attention of ``q [n, kv_heads, groups, d]`` over ``key/value [n, kv_heads, L, d]`` under a
+    boolean ``mask [n, 1, 1, L]`` (True: attend), by the kernel ``set_decode_attention_kernel`` chose."""
+    import torch
+
+    f = torch.nn.functional
+    if _decode_kernel == "math":
+        scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+        scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(scores, dim=-1).to(value.dtype), value)
+    if _decode_kernel in ("sdpa-efficient", "sdpa-cudnn"):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        backend = SDPBackend.EFFICIENT_ATTENTION if _decode_kernel == "sdpa-efficient" else SDPBackend.CUDNN_ATTENTION
+        with sdpa_kernel([backend]):
+            return f.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
+    return f.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
 
 
 def _register_slot_attention() -> None:
@@ -766,13 +805,21 @@ def _register_slot_attention() -> None:
     ALL_MASK_ATTENTION_FUNCTIONS.register(SLOT_ATTENTION, sdpa_mask)
 
 
+KV_BUCKET_STEP = 512
+
+
 def kv_bucket(need: int, max_len: int) -> int:
     """The attended K/V length for a step whose longest row needs ``need`` positions: a power of
-    two from 256, capped at the slot length, so short contexts do not read (and CUDA graphs are
-    captured per bucket, not per length)."""
+    two from 256 up to 1024, then the next multiple of 512, capped at the slot length, so short
+    contexts do not read the whole slot and CUDA graphs are captured per bucket, not per length.
+
+    Why 512 steps past 1024: a LLaVA-NeXT prompt with one 1080p image is ~2,900 tokens; the next
+    power of two (4,096) made every step read ~40 % more K/V than the rows hold."""
     b = 256
-    while b < need:
+    while b < need and b < 1024:
         b *= 2
+    if b < need:
+        b = -(-need // KV_BUCKET_STEP) * KV_BUCKET_STEP
     return min(b, max_len)
 
 
@@ -804,12 +851,36 @@ class SlotCache:
         return int(self.pos.max().item()) if self.pos.numel() else 0
 
 
+STAGE_ENV = "EASERVE_KV_STAGE"
+DEFAULT_STAGE_BUFFERS = 4
+PINNED_ENV = "EASERVE_KV_PINNED"
+
+
+def _new_decode_stats() -> dict[str, Any]:
+    """Counters of the decode engine (cumulative; ``benchmarks/gpu_serve.py`` takes differences)."""
+    return {"steps": 0, "rows": 0, "step_s": 0.0, "forward_ms": 0.0, "sample_ms": 0.0,
+            "admits": 0, "admit_s": 0.0, "admit_wait_s": 0.0, "admit_unstaged": 0, "unstaged_load_s": 0.0,
+            "staged": 0, "stage_s": 0.0, "stage_bytes": 0, "releases": 0, "release_s": 0.0,
+            "captures": 0, "capture_s": 0.0, "kv_len": {}, "batch_bucket": {}}
+
+
 class HFDecodeEngine(_Stage):
-    """:class:`SlotDecodeEngine`: continuous batching over KV slots, resuming from handed-over caches."""
+    """:class:`SlotDecodeEngine`: continuous batching over KV slots, resuming from handed-over caches.
+
+    Handed-over caches reach the device BEFORE their sequence is admitted (``stage``): a fixed set
+    of device staging buffers (``EASERVE_KV_STAGE``, default 4, each one slot's size, taken from
+    the same KV budget as the slots, so GPU memory stays bounded) receives each arriving cache on
+    a side stream, in a worker thread; admission then only copies it into its slot on the device
+    (one kernel per K and V). Why: loading a ~390 MB cache at admission (a pageable host-to-device
+    copy on the step's stream, from the event loop) stalled every running sequence for the copy.
+    A cache that finds no free buffer waits in host memory and is staged when one frees up (or
+    loaded at admission, off the loop, if its turn comes first).
+    """
 
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: Any = None, random_weights: bool = False,
                  trust_remote_code: bool = False, memory_fraction: float = 0.9, max_len: int | None = None,
-                 max_slots: int | None = None, cuda_graphs: bool | None = None) -> None:
+                 max_slots: int | None = None, cuda_graphs: bool | None = None,
+                 stage_buffers: int | None = None) -> None:
         super().__init__(path, "lm", device, dtype, random_weights, trust_remote_code)
         import torch
 
@@ -823,38 +894,56 @@ class HFDecodeEngine(_Stage):
                            min(DEFAULT_MAX_LEN, int(getattr(tc, "max_position_embeddings", DEFAULT_MAX_LEN))))
         itemsize = torch.tensor([], dtype=self.loaded.dtype).element_size()
         self.slot_bytes = 2 * self.layers * self.kv_heads * self.max_len * self.head_dim * itemsize
-        self.slots = self._slots(memory_fraction, max_slots)
-        shape = (self.slots, self.kv_heads, self.max_len, self.head_dim)
-        self.k = [torch.zeros(shape, dtype=self.loaded.dtype, device=device) for _ in range(self.layers)]
-        self.v = [torch.zeros(shape, dtype=self.loaded.dtype, device=device) for _ in range(self.layers)]
+        want_stage = int(stage_buffers if stage_buffers is not None else os.environ.get(STAGE_ENV, DEFAULT_STAGE_BUFFERS))
+        self.slots, self.stage_buffers = self._slots(memory_fraction, max_slots, max(0, want_stage))
+        shape = (self.layers, self.slots, self.kv_heads, self.max_len, self.head_dim)
+        # one tensor per K and V (a layer's slots are a view): a slot is filled or moved in one copy
+        self.K = torch.zeros(shape, dtype=self.loaded.dtype, device=device)
+        self.V = torch.zeros(shape, dtype=self.loaded.dtype, device=device)
+        self.k = list(self.K.unbind(0))
+        self.v = list(self.V.unbind(0))
         self.slot_of: dict[str, int] = {}
         self.length: dict[str, int] = {}
         self.sampling: dict[str, Sampling | None] = {}
         self.cuda_graphs = device.startswith("cuda") if cuda_graphs is None else cuda_graphs
         self._graphs: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
         self.kv_bytes_in = 0
+        self._cuda = str(device).startswith("cuda")
+        elems = self._stage_elems = self.slot_bytes // itemsize
+        # (buffer, event after which it may be overwritten: its last slot copy), free for a cache
+        self._stage_free: list[tuple[Any, Any]] = [
+            (torch.empty(elems, dtype=self.loaded.dtype, device=device), None) for _ in range(self.stage_buffers)
+        ]
+        self._staged: dict[str, tuple[Any, Any]] = {}  # request id -> (its copy task, its buffer)
+        self._copy_stream = torch.cuda.Stream(device=device) if self._cuda else None
+        self.pinned = os.environ.get(PINNED_ENV, "0") == "1"
+        """Copy a cache into pinned host memory before the host-to-device copy (else: pageable)."""
+        self.stats = _new_decode_stats()
 
-    def _slots(self, fraction: float, max_slots: int | None) -> int:
+    def _slots(self, fraction: float, max_slots: int | None, stage: int) -> tuple[int, int]:
         import torch
 
         # spec.decode.kvMemoryFraction has vLLM's gpu_memory_utilization meaning (the same figure the
         # twin's decode admission uses): this process may fill that share of the device's memory,
         # weights and what is already allocated included; on a CPU, that share of what is available.
+        # The staging buffers come out of the same budget, one slot's size each, never the last slot.
         if self.device.startswith("cuda"):
             free, total = torch.cuda.mem_get_info(torch.device(self.device))
             budget = fraction * total - (total - free)
         else:
             free = budget = fraction * _mem_available()
-        n = int(max(0.0, budget) // self.slot_bytes)
-        n = min(n, max_slots or DEFAULT_MAX_SLOTS)
+        units = int(max(0.0, budget) // self.slot_bytes)
+        stage = min(stage, max(0, units - 1))
+        n = min(units - stage, max_slots or DEFAULT_MAX_SLOTS)
         if n < 1:
             raise MemoryError(
                 f"spec.decode.kvMemoryFraction: {fraction} leaves {max(0.0, budget) / 2**30:.1f} GiB "
                 f"({free / 2**30:.1f} GiB free) for KV, no slot of "
                 f"{self.slot_bytes / 2**20:.0f} MiB (max_len {self.max_len})"
             )
-        log.info("decode: %d KV slots of %d tokens (%.1f MiB each)", n, self.max_len, self.slot_bytes / 2**20)
-        return n
+        log.info("decode: %d KV slots of %d tokens (%.1f MiB each), %d staging buffers", n, self.max_len,
+                 self.slot_bytes / 2**20, stage)
+        return n, stage
 
     @property
     def free_slots(self) -> int:
@@ -870,31 +959,121 @@ class HFDecodeEngine(_Stage):
     async def receive_kv(self, kv_bytes: int) -> None:
         self.kv_bytes_in += kv_bytes  # the bytes themselves arrive with the sequence (seq.kv)
 
-    async def admit(self, seq: DecodeSequence) -> None:
+    def stage(self, seq: DecodeSequence) -> Any:
+        """Start copying ``seq.kv`` to the device in the background, if a staging buffer is free.
+
+        Returns the copy's task (``admit`` takes the staged cache; awaiting the task only waits
+        for the copy), or None when nothing was started (no free buffer, no host bytes, or a
+        sequence that does not fit: ``admit`` reports that). Call from the event loop."""
+        if (seq.kv is None or seq.request_id in self._staged or not self._stage_free or not self.fits(seq)
+                or not seq.kv_meta):
+            return None
+        shape = [int(x) for x in seq.kv_meta.get("shape", ())]
+        if len(shape) != 5 or int(np.prod(shape)) > self._stage_elems:
+            return None
+        buf, free_after = self._stage_free.pop()
+        data, meta = seq.kv, dict(seq.kv_meta)
+        seq.kv = None  # the staging copy owns the bytes now
+        task = asyncio.get_running_loop().create_task(
+            asyncio.to_thread(self._stage_sync, data, meta, buf, free_after))
+        self._staged[seq.request_id] = (task, buf)
+        return task
+
+    def discard(self, request_id: str) -> None:
+        """A sequence that will never be admitted: give its staging buffer back once its copy ends."""
+        staged = self._staged.pop(request_id, None)
+        if staged is not None:
+            task, buf = staged
+            task.add_done_callback(lambda _t: self._stage_free.append((buf, None)))
+
+    def _to_device(self, data: Any, meta: Mapping[str, Any], dst: Any | None, free_after: Any) -> Any:
+        """Host bytes of a cache -> a device tensor (``dst``'s memory when given), on the side stream;
+        returns once the copy is complete (blocking: call it in a thread)."""
         import torch
 
-        if seq.kv is None:
-            raise ValueError(f"request {seq.request_id}: no KV cache handed over")
-        if not self.fits(seq):
-            raise ValueError(
-                f"request {seq.request_id}: context {seq.context_tokens} + max_tokens {seq.max_tokens} "
-                f"exceeds the decode slot length {self.max_len}"
-            )
-        kv = unpack_kv(seq.kv, seq.kv_meta).to(self.device, self.loaded.dtype)
-        layers, two, heads, t, d = kv.shape
-        if (layers, two, heads, d) != (self.layers, 2, self.kv_heads, self.head_dim) or t != seq.context_tokens:
-            raise ValueError(f"request {seq.request_id}: KV shape {tuple(kv.shape)} does not fit this model")
-        slot = len(self.slot_of)
-        with torch.inference_mode():
-            for i in range(self.layers):
-                self.k[i][slot, :, :t] = kv[i, 0]
-                self.v[i][slot, :, :t] = kv[i, 1]
+        kv = unpack_kv(data, meta)
+        if kv.dtype != self.loaded.dtype:
+            kv = kv.to(self.loaded.dtype)
+        out = dst[: kv.numel()].view(kv.shape) if dst is not None else None
+        if not self._cuda:
+            if out is None:
+                return kv.to(self.device)
+            out.copy_(kv)
+            return out
+        if self.pinned:
+            pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+            pin.copy_(kv)
+            kv = pin
+        assert self._copy_stream is not None
+        with torch.cuda.stream(self._copy_stream):
+            if free_after is not None:
+                self._copy_stream.wait_event(free_after)  # its last slot copy has read it
+            if out is None:
+                out = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+            out.copy_(kv, non_blocking=True)
+        self._copy_stream.synchronize()
+        return out
+
+    def _stage_sync(self, data: Any, meta: Mapping[str, Any], buf: Any, free_after: Any) -> Any:
+        import time
+
+        t0 = time.perf_counter()
+        out = self._to_device(data, meta, buf, free_after)
+        self.stats["staged"] += 1
+        self.stats["stage_s"] += time.perf_counter() - t0
+        self.stats["stage_bytes"] += out.numel() * out.element_size()
+        return out
+
+    async def admit(self, seq: DecodeSequence) -> None:
+        import time
+
+        import torch
+
+        t0 = time.perf_counter()
+        staged = self._staged.pop(seq.request_id, None)
+        buf = None
+        try:
+            if staged is None and seq.kv is None:
+                raise ValueError(f"request {seq.request_id}: no KV cache handed over")
+            if not self.fits(seq):
+                raise ValueError(
+                    f"request {seq.request_id}: context {seq.context_tokens} + max_tokens {seq.max_tokens} "
+                    f"exceeds the decode slot length {self.max_len}"
+                )
+            if staged is not None:
+                task, buf = staged
+                kv = await task
+                self.stats["admit_wait_s"] += time.perf_counter() - t0
+            else:  # no buffer was free when it arrived: load it now, off the loop and the step's stream
+                t1 = time.perf_counter()
+                kv = await asyncio.to_thread(self._to_device, seq.kv, seq.kv_meta, None, None)
+                self.stats["admit_unstaged"] += 1
+                self.stats["unstaged_load_s"] += time.perf_counter() - t1
+            layers, two, heads, t, d = kv.shape
+            if (layers, two, heads, d) != (self.layers, 2, self.kv_heads, self.head_dim) or t != seq.context_tokens:
+                raise ValueError(f"request {seq.request_id}: KV shape {tuple(kv.shape)} does not fit this model")
+            slot = len(self.slot_of)
+            with torch.inference_mode():
+                self.K[:, slot, :, :t] = kv[:, 0]
+                self.V[:, slot, :, :t] = kv[:, 1]
+        finally:
+            if buf is not None:  # reusable once the slot copies (queued on this stream) have read it
+                ev = None
+                if self._cuda:
+                    ev = torch.cuda.Event()
+                    ev.record()
+                self._stage_free.append((buf, ev))
         self.slot_of[seq.request_id] = slot
         self.length[seq.request_id] = t
         self.sampling[seq.request_id] = seq.sampling
         seq.kv = None  # the slot holds it now
+        self.stats["admits"] += 1
+        self.stats["admit_s"] += time.perf_counter() - t0
 
     def release(self, request_id: str) -> None:
+        import time
+
+        t0 = time.perf_counter()
         slot = self.slot_of.pop(request_id, None)
         self.length.pop(request_id, None)
         self.sampling.pop(request_id, None)
@@ -904,10 +1083,11 @@ class HFDecodeEngine(_Stage):
         if slot != last:  # keep running sequences in slots 0..n-1: move the last one into the hole
             mover = next(r for r, s in self.slot_of.items() if s == last)
             n = self.length[mover]
-            for i in range(self.layers):
-                self.k[i][slot, :, :n] = self.k[i][last, :, :n]
-                self.v[i][slot, :, :n] = self.v[i][last, :, :n]
+            self.K[:, slot, :, :n] = self.K[:, last, :, :n]
+            self.V[:, slot, :, :n] = self.V[:, last, :, :n]
             self.slot_of[mover] = slot
+        self.stats["releases"] += 1
+        self.stats["release_s"] += time.perf_counter() - t0
 
     def _forward(self, ids: Any, pos: Any, n: int, kv_len: int | None = None) -> Any:
         """Logits of one step over slots 0..n-1 (ids/pos indexed by slot), attending to ``kv_len`` positions."""
@@ -950,8 +1130,11 @@ class HFDecodeEngine(_Stage):
 
     def _capture(self, b: int, kv_len: int) -> None:
         """Capture the step over slots 0..b-1 with static ids/positions (warm-up on a side stream first)."""
+        import time
+
         import torch
 
+        t0 = time.perf_counter()
         st = {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
               "pos": torch.zeros(b, dtype=torch.long, device=self.device)}
         s = torch.cuda.Stream()
@@ -964,10 +1147,15 @@ class HFDecodeEngine(_Stage):
         with torch.cuda.graph(g):
             st["out"] = self._forward(st["ids"], st["pos"], b, kv_len)
         self._graphs[(b, kv_len)] = (g, st)
+        self.stats["captures"] += 1
+        self.stats["capture_s"] += time.perf_counter() - t0
 
     def _step_sync(self, batch: Sequence[DecodeSequence]) -> list[int]:
+        import time
+
         import torch
 
+        t0 = time.perf_counter()
         n = len(batch)
         if n != len(self.slot_of):
             raise RuntimeError(f"decode step over {n} sequences but {len(self.slot_of)} hold slots")
@@ -975,20 +1163,39 @@ class HFDecodeEngine(_Stage):
         for s in batch:
             by_slot[self.slot_of[s.request_id]] = s
         seqs = [s for s in by_slot if s is not None]
-        ids = torch.tensor([s.generated[-1] for s in seqs], device=self.device)
         lengths = [self.length[s.request_id] for s in seqs]
+        ids = torch.tensor([s.generated[-1] for s in seqs], device=self.device)
         pos = torch.tensor(lengths, device=self.device)
         kv_len = kv_bucket(max(lengths) + 1, self.max_len)
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self._cuda else None
         with torch.inference_mode():
+            if ev:
+                ev[0].record()
             logits = (self._graph_logits(ids, pos, n, kv_len) if self.cuda_graphs
                       else self._forward(ids, pos, n, kv_len))
+            if ev:
+                ev[1].record()
             # every row at once on the device, one sync (greedy and sampled rows alike)
-            drawn = sample_rows(logits, [self.sampling[s.request_id] for s in seqs], [len(s.generated) for s in seqs])
+            drawn_t = sample_rows_tensor(logits, [self.sampling[s.request_id] for s in seqs],
+                                         [len(s.generated) for s in seqs])
+            if ev:
+                ev[2].record()
+            drawn = drawn_t.tolist()
+        st = self.stats
+        st["steps"] += 1
+        st["rows"] += n
+        st["step_s"] += time.perf_counter() - t0
+        st["kv_len"][str(kv_len)] = st["kv_len"].get(str(kv_len), 0) + 1
+        bb = str(self._bucket(n))
+        st["batch_bucket"][bb] = st["batch_bucket"].get(bb, 0) + 1
+        if ev:
+            st["forward_ms"] += ev[0].elapsed_time(ev[1])
+            st["sample_ms"] += ev[1].elapsed_time(ev[2])
         tok: dict[str, int] = {}
         for row, s in enumerate(seqs):
             rid = s.request_id
             self.length[rid] += 1
-            tok[rid] = drawn[row]
+            tok[rid] = int(drawn[row])
         return [tok[s.request_id] for s in batch]
 
     async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:

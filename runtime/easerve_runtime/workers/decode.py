@@ -10,14 +10,24 @@ A sequence that does not fit waits (its client sees a later first decode token),
 
 With a real engine that keeps KV caches in fixed slots (``SlotDecodeEngine``), the capacity is
 the engine's slot count and each sequence needs one slot; the handed-over KV cache arrives in
-chunks (``kv_chunk`` messages, see ``wire.py``) before the request that claims it.
+chunks (``kv_chunk`` messages, see ``wire.py``) before the request that claims it. An engine that
+can move caches to the device ahead of admission (``stage(seq)``, the torch engine) gets each
+cache as it arrives, and the waiting ones as its staging buffers free up, so that joining the
+batch costs a step almost nothing.
+
+``$EASERVE_DECODE_STATS`` (a directory): the worker writes ``decode-<pid>.json`` there every few
+seconds and whenever it goes idle: where the loop's time went (steps, admissions, idle) and the
+engine's own counters (``stats``), cumulative (benchmarks take differences).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import os
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -31,6 +41,8 @@ from easerve_runtime.workers.wire import b64d
 log = logging.getLogger("easerve.decode")
 
 Entry = tuple[DecodeSequence, "asyncio.Queue[Any]", float]  # (sequence, its token queue, KV need)
+STATS_ENV = "EASERVE_DECODE_STATS"
+STATS_EVERY_S = 2.0
 
 
 class DecodeWorker:
@@ -63,6 +75,14 @@ class DecodeWorker:
         self.blobs = HostBlobs.from_env()
         """Same-host shared memory the KV cache may arrive through (``workers.blobs``)."""
         self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
+        self._stage = getattr(engine, "stage", None)
+        """The engine's ``stage(seq)``: start moving a cache to the device before admission (optional)."""
+        self._unstaged: dict[str, DecodeSequence] = {}  # waiting, their cache still on the host (FIFO)
+        self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
+                                             "loop_s": 0.0, "admitted": 0}
+        d = os.environ.get(STATS_ENV)
+        self._stats_path = os.path.join(d, f"decode-{os.getpid()}.json") if d else None
+        self._stats_at = 0.0
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, engine: DecodeEngine, metrics: Metrics) -> DecodeWorker:
@@ -134,6 +154,18 @@ class DecodeWorker:
         await self.engine.receive_kv(kv_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         need = float(self.kv_bytes(seq.context_tokens + seq.max_tokens))
+        if self._stage is not None and seq.kv is not None:
+            task = self._stage(seq)
+            if task is None:
+                self._unstaged[rid] = seq  # staged later, when a buffer frees up
+            else:
+                try:  # joins the queue once its cache is on the device; a failed copy fails at admission
+                    await asyncio.shield(task)
+                except asyncio.CancelledError:
+                    getattr(self.engine, "discard", lambda _rid: None)(rid)
+                    raise
+                except Exception:  # noqa: BLE001 - reported by admit, which awaits the same task
+                    pass
         self.admission.add((seq, q, need), need)
         self._gauges()
         self._arrival.set()
@@ -156,10 +188,42 @@ class DecodeWorker:
         self.metrics.queue_depth.labels(self.stage).set(waiting)
         self.metrics.inflight.labels(self.stage).set(waiting + len(self._running))
 
+    def _prestage(self) -> None:
+        """Stage waiting caches still on the host, oldest first, while the engine has buffers free."""
+        if self._stage is None:
+            return
+        for rid, seq in list(self._unstaged.items()):
+            if seq.kv is None or self._stage(seq) is not None:
+                del self._unstaged[rid]
+            else:
+                break
+
+    def _write_stats(self, now: float, force: bool = False) -> None:
+        if self._stats_path is None or (not force and now - self._stats_at < STATS_EVERY_S):
+            return
+        self._stats_at = now
+        doc = {"t": time.time(), "running": len(self._running), "waiting": self.admission.waiting,
+               "loop": dict(self.loop_stats), "engine": getattr(self.engine, "stats", None)}
+        try:
+            tmp = self._stats_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self._stats_path)
+        except (OSError, TypeError, ValueError) as exc:  # statistics never stop decoding
+            log.warning("decode stats not written: %s", exc)
+            self._stats_path = None
+
     async def run(self) -> None:
+        ls = self.loop_stats
+        clock = time.perf_counter
+        t_loop = clock()
         while True:
+            t0 = clock()
+            ls["loop_s"] += t0 - t_loop
+            t_loop = t0
             for entry, need in self.admission.admit():
                 seq, q, _ = entry
+                self._unstaged.pop(seq.request_id, None)
                 if seq.done:
                     q.put_nowait(None)
                     self.admission.finish(need)
@@ -171,14 +235,21 @@ class DecodeWorker:
                         q.put_nowait(exc)
                         self.admission.finish(need)
                         continue
+                ls["admitted"] += 1
                 self._running.append(entry)
+            self._prestage()
             self._gauges()
+            t1 = clock()
+            ls["admit_s"] += t1 - t0
             if not self._running:
+                self._write_stats(t1, force=True)
                 self._arrival.clear()
                 await self._arrival.wait()
+                ls["idle_s"] += clock() - t1
                 continue
             batch = [s for s, _, _ in self._running]
             self.metrics.decode_batch_size.observe(len(batch))
+            ls["iterations"] += 1
             try:
                 tokens = await self.engine.decode_step(batch)
             except Exception as exc:
@@ -199,6 +270,9 @@ class DecodeWorker:
                 else:
                     still.append(entry)
             self._running = still
+            t2 = clock()
+            ls["step_s"] += t2 - t1
+            self._write_stats(t2)
 
     def _release(self, seq: DecodeSequence, need: float) -> None:
         self.admission.finish(need)
