@@ -35,6 +35,7 @@ import asyncio
 import io
 import logging
 import os
+import threading
 import wave
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -476,7 +477,13 @@ class HFEncodeEngine(_Stage):
         kind = self._check_kinds(batch)
         chunks = self._chunks(batch)
         if len(chunks) > 1 and not self.profile:
-            return self._encode_pipelined(batch, kind, chunks)
+            try:
+                return self._encode_pipelined(batch, kind, chunks)
+            except Exception as exc:  # noqa: BLE001 - the one-pass path still serves; pipeline no more
+                if isinstance(exc, ValueError) and "request" in str(exc):
+                    raise  # the request's own fault: the serial pass would refuse it too
+                log.warning("encode: the chunked pipeline failed (%r); encoding in one pass from now on", exc)
+                self.chunk_images = 0
         return self._encode_serial(batch, kind)
 
     def _encode_serial(self, batch: Sequence[EncodeInput], kind: str) -> list[Embedding]:
@@ -916,6 +923,10 @@ class HFDecodeEngine(_Stage):
         ]
         self._staged: dict[str, tuple[Any, Any]] = {}  # request id -> (its copy task, its buffer)
         self._copy_stream = torch.cuda.Stream(device=device) if self._cuda else None
+        self._capture_lock = threading.Lock()
+        """Held by a CUDA graph capture and by a staging copy: a capture (global mode) fails if another
+        thread synchronizes or allocates meanwhile, and a failed capture would leave decode eager."""
+        self._staging_failed = False
         self.pinned = os.environ.get(PINNED_ENV, "0") == "1"
         """Copy a cache into pinned host memory before the host-to-device copy (else: pageable)."""
         self.stats = _new_decode_stats()
@@ -971,9 +982,10 @@ class HFDecodeEngine(_Stage):
         shape = [int(x) for x in seq.kv_meta.get("shape", ())]
         if len(shape) != 5 or int(np.prod(shape)) > self._stage_elems:
             return None
+        if self._staging_failed:
+            return None
         buf, free_after = self._stage_free.pop()
         data, meta = seq.kv, dict(seq.kv_meta)
-        seq.kv = None  # the staging copy owns the bytes now
         task = asyncio.get_running_loop().create_task(
             asyncio.to_thread(self._stage_sync, data, meta, buf, free_after))
         self._staged[seq.request_id] = (task, buf)
@@ -1000,18 +1012,19 @@ class HFDecodeEngine(_Stage):
                 return kv.to(self.device)
             out.copy_(kv)
             return out
-        if self.pinned:
-            pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            pin.copy_(kv)
-            kv = pin
         assert self._copy_stream is not None
-        with torch.cuda.stream(self._copy_stream):
-            if free_after is not None:
-                self._copy_stream.wait_event(free_after)  # its last slot copy has read it
-            if out is None:
-                out = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
-            out.copy_(kv, non_blocking=True)
-        self._copy_stream.synchronize()
+        with self._capture_lock:
+            if self.pinned:
+                pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+                pin.copy_(kv)
+                kv = pin
+            with torch.cuda.stream(self._copy_stream):
+                if free_after is not None:
+                    self._copy_stream.wait_event(free_after)  # its last slot copy has read it
+                if out is None:
+                    out = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
+                out.copy_(kv, non_blocking=True)
+            self._copy_stream.synchronize()
         return out
 
     def _stage_sync(self, data: Any, meta: Mapping[str, Any], buf: Any, free_after: Any) -> Any:
@@ -1040,11 +1053,16 @@ class HFDecodeEngine(_Stage):
                     f"request {seq.request_id}: context {seq.context_tokens} + max_tokens {seq.max_tokens} "
                     f"exceeds the decode slot length {self.max_len}"
                 )
+            kv = None
             if staged is not None:
                 task, buf = staged
-                kv = await task
+                try:
+                    kv = await task
+                except Exception as exc:  # noqa: BLE001 - load it the other way; stage no more
+                    log.warning("decode: staging a KV cache failed (%r); loading caches at admission", exc)
+                    self._staging_failed = True
                 self.stats["admit_wait_s"] += time.perf_counter() - t0
-            else:  # no buffer was free when it arrived: load it now, off the loop and the step's stream
+            if kv is None:  # no buffer was free when it arrived: load it now, off the loop and the step's stream
                 t1 = time.perf_counter()
                 kv = await asyncio.to_thread(self._to_device, seq.kv, seq.kv_meta, None, None)
                 self.stats["admit_unstaged"] += 1
@@ -1144,7 +1162,7 @@ class HFDecodeEngine(_Stage):
                 self._forward(st["ids"], st["pos"], b, kv_len)
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
+        with self._capture_lock, torch.cuda.graph(g):
             st["out"] = self._forward(st["ids"], st["pos"], b, kv_len)
         self._graphs[(b, kv_len)] = (g, st)
         self.stats["captures"] += 1
