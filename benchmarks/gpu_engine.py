@@ -46,6 +46,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "runtime"))
 
 REF = {"prefill_2048_ms": 58.6, "decode_ms": {1: 6.95, 32: 9.66, 128: 16.0}}
 SIZES = {"720p": (720, 1280), "1080p": (1080, 1920)}
+DEVICE = "cuda"
+"""``--smoke``: ``cpu`` with a tiny model, to run every code path here before GPU time is spent."""
 
 
 def log(msg: str) -> None:
@@ -74,7 +76,8 @@ def jpeg(h: int, w: int, seed: int) -> bytes:
 def sync() -> None:
     import torch
 
-    torch.cuda.synchronize()
+    if DEVICE.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 class Results:
@@ -96,30 +99,60 @@ def model_dir(out: Path) -> Path:
     from easerve_runtime.models.init import init_model
 
     del out
-    d = Path(os.environ.get("EASERVE_MODEL_CACHE", "/tmp/easerve-models")) / "llava-next-7b"
+    size = "tiny" if DEVICE == "cpu" else "7b"
+    d = Path(os.environ.get("EASERVE_MODEL_CACHE", "/tmp/easerve-models")) / f"llava-next-{size}"
     if not (d / "config.json").exists():
-        init_model("llava-next", d, size="7b", weights=False)
+        init_model("llava-next", d, size=size, weights=size == "tiny")
     return d
 
 
-# ---------------------------------------------------------------------------------- encode
-def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
+def empty_cache() -> None:
     import torch
+
+    if DEVICE.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+# ---------------------------------------------------------------------------------- encode
+def _encode_rate(eng: Any, reqs: list[Any], b: int) -> tuple[float, float]:
+    """Back-to-back micro-batches of ``b`` (as a loaded encode worker runs them): images/s, p50 ms."""
+    for _ in range(2):
+        eng._encode_sync(reqs[:b])
+    sync()
+    lat = []
+    n = len(reqs)
+    t0 = time.perf_counter()
+    for i in range(0, n - b + 1, b):
+        t1 = time.perf_counter()
+        eng._encode_sync(reqs[i : i + b])
+        sync()
+        lat.append(time.perf_counter() - t1)
+    done = (n // b) * b
+    return round(done / (time.perf_counter() - t0), 1), round(1e3 * statistics.median(lat), 2)
+
+
+def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
     from easerve_runtime.engines.base import EncodeInput, MediaPart
     from easerve_runtime.engines.hf import HFEncodeEngine
 
-    eng = HFEncodeEngine(d, device="cuda", random_weights=True)
-    res: dict[str, Any] = {"note": "images/s per GPU; every request one image + a short prompt",
-                           "batched_preprocess": eng.batched_preprocess}
+    eng = HFEncodeEngine(d, device=DEVICE, random_weights=True)
+    default_chunk = eng.chunk_images
+    res: dict[str, Any] = {"note": "images/s per GPU; every request one image + a short prompt; microbatch_b*: "
+                           "the engine's default chunking (chunk_images), chunk_sweep: other chunk sizes "
+                           "(0 = one serial pass, as before)",
+                           "batched_preprocess": eng.batched_preprocess, "chunk_images": default_chunk}
     msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},)
-    n = 32 if args.quick else 96
+    n = 8 if args.smoke else 32 if args.quick else 96
     for name, (h, w) in SIZES.items():
+        if args.smoke:
+            h, w = h // 8, w // 8
         imgs = [jpeg(h, w, i) for i in range(8)]
         res[f"{name}_jpeg_kb"] = round(statistics.mean(len(b) for b in imgs) / 1024)
         reqs = [EncodeInput(f"r{i}", (MediaPart("image", imgs[i % 8], "image/jpeg", {}),), 0, msgs) for i in range(n)]
         row: dict[str, Any] = {}
         # (a) pass-through: PIL + processor on the CPU, one request per encoder call
         eng.gpu_decode = False
+        eng.chunk_images = 0
         for r in reqs[:3]:
             eng._encode_sync([r])
         sync()
@@ -133,33 +166,56 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
         eng._encode_sync([reqs[0]])
         eng.profile = False
         row["passthrough_phases_ms"] = dict(eng.last_timing)
-        # (b) micro-batches, GPU decode + processor on CUDA
+        # (b) micro-batches, GPU decode + processor on CUDA, pipelined in chunks (the engine's default)
         eng.gpu_decode = True
+        sweep: dict[str, Any] = {}
         for b in (8, 16):
-            for _ in range(2):
-                eng._encode_sync(reqs[:b])
-            sync()
-            lat = []
-            t0 = time.perf_counter()
-            for i in range(0, n - b + 1, b):
-                t1 = time.perf_counter()
-                eng._encode_sync(reqs[i : i + b])
-                sync()
-                lat.append(time.perf_counter() - t1)
-            done = (n // b) * b
-            row[f"microbatch_b{b}_img_s"] = round(done / (time.perf_counter() - t0), 1)
-            row[f"microbatch_b{b}_ms_p50"] = round(1e3 * statistics.median(lat), 2)
+            if b > n:
+                continue
+            eng.chunk_images = default_chunk
+            row[f"microbatch_b{b}_img_s"], row[f"microbatch_b{b}_ms_p50"] = _encode_rate(eng, reqs, b)
             row[f"microbatch_b{b}_path"] = eng.last_path
-            eng.profile = True  # one more batch, synchronized between phases: where the time goes
+            for c in (0, 2, 4, 8):
+                if c == default_chunk or c >= b:
+                    continue
+                eng.chunk_images = c
+                img_s, ms = _encode_rate(eng, reqs, b)
+                sweep[f"b{b}_chunk{c}"] = {"img_s": img_s, "ms_p50": ms}
+            eng.chunk_images = default_chunk
+            eng.profile = True  # one more batch, serial and synchronized between phases: where the time goes
             eng._encode_sync(reqs[:b])
             eng.profile = False
             row[f"microbatch_b{b}_phases_ms"] = dict(eng.last_timing)
-        row["speedup_b16_vs_passthrough"] = round(row["microbatch_b16_img_s"] / row["passthrough_b1_img_s"], 2)
+        row["chunk_sweep"] = sweep
+        if "microbatch_b16_img_s" in row:
+            row["speedup_b16_vs_passthrough"] = round(row["microbatch_b16_img_s"] / row["passthrough_b1_img_s"], 2)
         res[name] = row
         log(f"encode {name}: {row}")
+    if args.profile and DEVICE.startswith("cuda"):
+        res["profile_b16_1080p"] = _profile_encode(eng, d)
     del eng
-    torch.cuda.empty_cache()
+    empty_cache()
     return res
+
+
+def _profile_encode(eng: Any, d: Path) -> dict[str, Any]:
+    """torch.profiler over two pipelined B = 16 1080p micro-batches: the top ops by host and by GPU time."""
+    import torch
+    from easerve_runtime.engines.base import EncodeInput, MediaPart
+
+    msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},)
+    imgs = [jpeg(*SIZES["1080p"], i) for i in range(16)]
+    reqs = [EncodeInput(f"p{i}", (MediaPart("image", imgs[i], "image/jpeg", {}),), 0, msgs) for i in range(16)]
+    eng._encode_sync(reqs)
+    sync()
+    acts = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=acts) as prof:
+        for _ in range(2):
+            eng._encode_sync(reqs)
+        sync()
+    ka = prof.key_averages()
+    return {"by_cpu": ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60),
+            "by_cuda": ka.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)}
 
 
 # ---------------------------------------------------------------------------------- prefill
@@ -169,10 +225,10 @@ def bench_prefill(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], An
     from easerve_runtime.engines.hf import HFPrefillEngine, pack_kv
     from transformers import DynamicCache
 
-    eng = HFPrefillEngine(d, device="cuda", random_weights=True)
+    eng = HFPrefillEngine(d, device=DEVICE, random_weights=True)
     ids = list(range(100, 100 + 2048))
     r = PrefillInput("p", 2048, 0, 0, None, {"input_ids": ids}, Sampling(0.0))
-    x = torch.tensor([ids], device="cuda")
+    x = torch.tensor([ids], device=DEVICE)
     lm = eng.model.model.language_model
     fwd, packs = [], []
     reps = 5 if args.quick else 15
@@ -204,66 +260,249 @@ def bench_prefill(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], An
     data = full.kv if full.kv is not None else full.pack_kv() if full.pack_kv is not None else b""
     kv = (data, dict(full.kv_meta))
     del eng, full
-    torch.cuda.empty_cache()
+    empty_cache()
     return res, kv
 
 
 # ---------------------------------------------------------------------------------- decode
-def fill_slots(eng: Any, n: int, ctx: int) -> list[Any]:
+def fill_slots(eng: Any, n: int, ctx: int, sampling: Any = None) -> list[Any]:
     """n running sequences with a ctx-token random KV each (written straight into the slots)."""
     from easerve_runtime.engines.base import DecodeSequence, Sampling
 
+    eng.slot_of.clear()
+    eng.length.clear()
     seqs = []
     for i in range(n):
         rid = f"d{i}"
         eng.slot_of[rid] = i
         eng.length[rid] = ctx
-        eng.sampling[rid] = Sampling(0.0)
+        eng.sampling[rid] = sampling or Sampling(0.0)
         seqs.append(DecodeSequence(rid, ctx, 10**6, generated=[5 + i]))
-    for layer in range(eng.layers):
-        eng.k[layer][:n, :, :ctx].normal_()
-        eng.v[layer][:n, :, :ctx].normal_()
+    eng.K[:, :n, :, :ctx].normal_()
+    eng.V[:, :n, :, :ctx].normal_()
     return seqs
 
 
+def _steps(eng: Any, seqs: list[Any], steps: int, ctx: int) -> float:
+    """Median ms of ``_step_sync`` over ``steps`` steps (3 warm-up), lengths reset to ``ctx`` each step."""
+    def one() -> float:
+        for s in seqs:
+            eng.length[s.request_id] = ctx
+        sync()
+        t0 = time.perf_counter()
+        toks = eng._step_sync(seqs)
+        dt = time.perf_counter() - t0
+        for s, t in zip(seqs, toks, strict=True):
+            s.generated.append(t)
+        return dt
+
+    for _ in range(3):
+        one()
+    return 1e3 * statistics.median([one() for _ in range(steps)])
+
+
+def _replay_ms(eng: Any, n: int, kv_len: int, steps: int) -> float:
+    """Median ms of the captured step's replay alone (no host work around it)."""
+    g, _st = eng._graphs[(eng._bucket(n), kv_len)]
+    lat = []
+    for _ in range(steps + 3):
+        sync()
+        t0 = time.perf_counter()
+        g.replay()
+        sync()
+        lat.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(lat[3:])
+
+
 def bench_decode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
-    import torch
+    from easerve_runtime.engines import hf
     from easerve_runtime.engines.hf import HFDecodeEngine
 
-    ctx = 2048
-    eng = HFDecodeEngine(d, device="cuda", random_weights=True, max_len=ctx + 256, max_slots=128,
-                         memory_fraction=0.9)
-    res: dict[str, Any] = {"context": ctx, "slots": eng.slots, "slot_mib": round(eng.slot_bytes / 2**20, 1)}
-    steps = 10 if args.quick else 30
+    ctx = 64 if args.smoke else 2048
+    sizes = (1, 4) if args.smoke else (1, 32, 128)
+    eng = HFDecodeEngine(d, device=DEVICE, random_weights=True, max_len=ctx + 256, max_slots=max(sizes),
+                         memory_fraction=0.9, stage_buffers=0)
+    res: dict[str, Any] = {"context": ctx, "slots": eng.slots, "slot_mib": round(eng.slot_bytes / 2**20, 1),
+                           "kv_len": hf.kv_bucket(ctx + 1, eng.max_len)}
+    steps = 5 if args.smoke else 10 if args.quick else 30
     for graphs in (True, False):
-        for b in (1, 32, 128):
-            if b > eng.slots:
-                continue
-            eng.slot_of.clear()
-            eng.length.clear()
+        for b in sizes:
             seqs = fill_slots(eng, b, ctx)
-            eng.cuda_graphs = graphs
-            for _ in range(3):
-                for s, t in zip(seqs, eng._step_sync(seqs), strict=True):
-                    s.generated.append(t)
-            lat = []
-            for _ in range(steps):
-                sync()
-                t0 = time.perf_counter()
-                toks = eng._step_sync(seqs)
-                lat.append(time.perf_counter() - t0)
-                for s, t in zip(seqs, toks, strict=True):
-                    s.generated.append(t)
+            eng.cuda_graphs = graphs and DEVICE.startswith("cuda")
+            ms = _steps(eng, seqs, steps, ctx)
             key = f"{'graph' if graphs else 'eager'}_b{b}"
-            ms = 1e3 * statistics.median(lat)
             res[key] = {"step_ms_p50": round(ms, 2), "tokens_s": round(b / ms * 1e3, 1)}
-            if graphs:
+            if graphs and b in REF["decode_ms"]:
                 res[key]["reference_ms"] = REF["decode_ms"][b]
                 res[key]["ratio_to_reference"] = round(ms / REF["decode_ms"][b], 3)
+            if graphs and eng.cuda_graphs:
+                res[key]["replay_only_ms"] = round(_replay_ms(eng, b, res["kv_len"], steps), 2)
             res["graphs_active"] = eng.cuda_graphs if graphs else res.get("graphs_active")
             log(f"decode {key}: {res[key]}")
+    if DEVICE.startswith("cuda"):  # the same steps with each attention kernel (graphs recaptured)
+        kernels: dict[str, Any] = {}
+        for k in hf.DECODE_ATTENTION_KERNELS:
+            eng._graphs.clear()
+            eng.cuda_graphs = True
+            try:
+                hf.set_decode_attention_kernel(k)
+                kernels[k] = {f"b{b}": round(_steps(eng, fill_slots(eng, b, ctx), steps, ctx), 2) for b in sizes}
+                kernels[k]["graphs_active"] = eng.cuda_graphs
+            except Exception as exc:  # noqa: BLE001 - a backend that refuses these shapes
+                kernels[k] = {"error": repr(exc)[:300]}
+            log(f"decode attention {k}: {kernels[k]}")
+        hf.set_decode_attention_kernel("sdpa")
+        eng._graphs.clear()
+        res["attention_kernels_ms"] = kernels
+        if args.profile:
+            res["profile_eager"] = _profile_decode(eng, ctx)
     del eng
-    torch.cuda.empty_cache()
+    empty_cache()
+    return res
+
+
+def _profile_decode(eng: Any, ctx: int) -> dict[str, Any]:
+    """GPU time per op of eager steps at b1 and b128 (kernel times do not depend on launch overhead)."""
+    import torch
+
+    out = {}
+    eng.cuda_graphs = False
+    for b in (1, 128):
+        seqs = fill_slots(eng, b, ctx)
+        _steps(eng, seqs, 2, ctx)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            _steps(eng, seqs, 5, ctx)
+        out[f"b{b}"] = prof.key_averages().table(sort_by="cuda_time_total", row_limit=20, max_name_column_width=70)
+    return out
+
+
+def bench_decode_load(args: argparse.Namespace, d: Path) -> dict[str, Any]:
+    """What a served decode step pays at the served context (~2,900 tokens: one 1080p image): the
+    K/V length bucket (3,072 now, 4,096 before), sampling every row at temperature 1, and the
+    admission of a handed-over cache: loaded on the loop at admission (before) vs staged on a side
+    stream ahead of it (now), and how much a staging copy running beside the steps slows them."""
+    import threading
+
+    from easerve_runtime.engines import hf
+    from easerve_runtime.engines.base import DecodeSequence, Sampling
+    from easerve_runtime.engines.hf import HFDecodeEngine, unpack_kv
+    from easerve_runtime.workers.blobs import HostBlobs
+
+    ctx = 100 if args.smoke else 2900
+    max_len = 256 if args.smoke else 4096
+    b = 4 if args.smoke else 32
+    steps = 5 if args.smoke else 10 if args.quick else 30
+    eng = HFDecodeEngine(d, device=DEVICE, random_weights=True, max_len=max_len, max_slots=b + 4,
+                         memory_fraction=0.9, stage_buffers=2)
+    res: dict[str, Any] = {"context": ctx, "batch": b, "max_len": max_len}
+    seqs = fill_slots(eng, b, ctx)
+    res["step_ms_kv3072"] = round(_steps(eng, seqs, steps, ctx), 2)
+    res["kv_len_now"] = hf.kv_bucket(ctx + 1, max_len)
+    hf.KV_BUCKET_STEP = 4096  # the old power-of-two bucket at this context
+    res["kv_len_before"] = hf.kv_bucket(ctx + 1, max_len)
+    res["step_ms_kv4096"] = round(_steps(eng, seqs, steps, ctx), 2)
+    hf.KV_BUCKET_STEP = 512
+    # sampling: every row at temperature 1 (the OpenAI default the bench sends) vs greedy, GPU time per step
+    for name, smp in (("greedy", Sampling(0.0)), ("t1", Sampling(1.0, 1.0, 7)), ("t1_top_p0.9", Sampling(1.0, 0.9, 7))):
+        seqs = fill_slots(eng, b, ctx, smp)
+        before = dict(eng.stats)
+        ms = _steps(eng, seqs, steps, ctx)
+        n = eng.stats["steps"] - before["steps"]
+        res[f"sampling_{name}"] = {"step_ms_p50": round(ms, 2),
+                                   "sample_gpu_ms": round((eng.stats["sample_ms"] - before["sample_ms"]) / max(1, n), 3),
+                                   "forward_gpu_ms": round((eng.stats["forward_ms"] - before["forward_ms"]) / max(1, n), 3)}
+    log(f"decode_load steps: {res}")
+    # admission of one ctx-token cache that arrived as host bytes (a blob taken from /dev/shm)
+    shape = [eng.layers, 2, eng.kv_heads, ctx, eng.head_dim]
+    import torch
+
+    src = torch.randn(shape, dtype=torch.float32).to(torch.bfloat16)
+    raw = bytearray(memoryview(src.view(torch.int16).numpy()).cast("B"))
+    meta = {"shape": shape, "dtype": "bfloat16"}
+    res["kv_mib"] = round(len(raw) / 2**20, 1)
+    blob_dir = Path("/dev/shm" if Path("/dev/shm").is_dir() else "/tmp") / f"easerve-bench-{os.getpid()}"
+    blobs = HostBlobs(blob_dir)
+    t_put, t_take = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        name = blobs.put_sync(raw)
+        t1 = time.perf_counter()
+        blobs.take_sync(name)
+        t_take.append(time.perf_counter() - t1)
+        t_put.append(t1 - t0)
+    res["blob_put_ms"] = round(1e3 * statistics.median(t_put), 1)
+    res["blob_take_ms"] = round(1e3 * statistics.median(t_take), 1)
+
+    def old_admit() -> float:  # what admit did: unpack, pageable .to(device) and slot copies on the caller
+        t0 = time.perf_counter()
+        kv = unpack_kv(bytearray(raw), meta).to(DEVICE, eng.loaded.dtype)
+        for i in range(eng.layers):
+            eng.k[i][b, :, :ctx] = kv[i, 0]
+            eng.v[i][b, :, :ctx] = kv[i, 1]
+        sync()
+        return time.perf_counter() - t0
+
+    async def new_admit(pinned: bool) -> tuple[float, float]:
+        eng.pinned = pinned
+        seq = DecodeSequence("adm", ctx, 8, generated=[1], kv=bytearray(raw), kv_meta=meta)
+        t0 = time.perf_counter()
+        task = eng.stage(seq)
+        assert task is not None
+        await task
+        t1 = time.perf_counter()
+        await eng.admit(seq)
+        sync()
+        t2 = time.perf_counter()
+        ok = bool(torch.equal(eng.K[:, eng.slot_of["adm"], :, :ctx].cpu(), src[:, 0].cpu()))
+        eng.release("adm")
+        if not ok:
+            raise AssertionError("staged cache differs from its bytes")
+        return t1 - t0, t2 - t1
+
+    res["admit_before_ms"] = round(1e3 * statistics.median([old_admit() for _ in range(3)]), 1)
+    fill_slots(eng, b, ctx)
+    for pinned in (False, True):
+        runs = [asyncio.run(new_admit(pinned)) for _ in range(3)]
+        key = "pinned" if pinned else "pageable"
+        res[f"stage_{key}_ms"] = round(1e3 * statistics.median(r[0] for r in runs), 1)
+        res[f"admit_after_stage_{key}_ms"] = round(1e3 * statistics.median(r[1] for r in runs), 2)
+    eng.pinned = False
+    # a staging copy running beside the steps (as under load): how much slower are the steps?
+    seqs = fill_slots(eng, b, ctx)
+    quiet = _steps(eng, seqs, steps, ctx)
+    stop = threading.Event()
+    copies = [0]
+
+    def stager(pinned: bool) -> None:
+        buf = eng._stage_free[0][0]
+        while not stop.is_set():
+            eng.pinned = pinned
+            eng._to_device(bytearray(raw) if not pinned else raw, meta, buf, None)
+            copies[0] += 1
+
+    for pinned in (False, True):
+        copies[0] = 0
+        stop.clear()
+        th = threading.Thread(target=stager, args=(pinned,))
+        th.start()
+        t0 = time.perf_counter()
+        busy = _steps(eng, seqs, steps, ctx)
+        el = time.perf_counter() - t0
+        stop.set()
+        th.join()
+        key = "pinned" if pinned else "pageable"
+        res[f"steps_beside_staging_{key}"] = {"quiet_ms": round(quiet, 2), "busy_ms": round(busy, 2),
+                                              "copies_per_s": round(copies[0] / el, 1)}
+    eng.pinned = False
+    import shutil
+
+    shutil.rmtree(blob_dir, ignore_errors=True)
+    log(f"decode_load admission: {res}")
+    eng.K = eng.V = None  # the engine's memory goes with this frame; the next section needs it
+    eng.k.clear()
+    eng.v.clear()
+    eng._stage_free.clear()
+    empty_cache()
     return res
 
 
@@ -365,8 +604,8 @@ def bench_split(args: argparse.Namespace, d: Path) -> dict[str, Any]:
     from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
     from easerve_runtime.partition.backends import GreenContextPool
 
-    enc = HFEncodeEngine(d, device="cuda", random_weights=True)
-    pre = HFPrefillEngine(d, device="cuda", random_weights=True)
+    enc = HFEncodeEngine(d, device=DEVICE, random_weights=True)
+    pre = HFPrefillEngine(d, device=DEVICE, random_weights=True)
     total = torch.cuda.get_device_properties(0).multi_processor_count
     levels = [s for s in (48, 64, 80, 96, 112) if s < total]
     pool = GreenContextPool(levels)
@@ -471,15 +710,23 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "benchmarks/out"))
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny model: exercise the code, measure nothing")
+    ap.add_argument("--profile", action="store_true", help="add torch.profiler tables (encode B=16, eager decode)")
     ap.add_argument("--only", nargs="*", default=None)
     ap.add_argument("--skip", nargs="*", default=[])
     args = ap.parse_args()
+    global DEVICE
+    if args.smoke:
+        DEVICE = "cpu"
     import torch
     import transformers
 
     r = Results(Path(args.out))
-    r.data["env"] = {"torch": torch.__version__, "transformers": transformers.__version__,
-                     "gpu": torch.cuda.get_device_name(0), "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    r.data["env"] = {"torch": torch.__version__, "transformers": transformers.__version__, "device": DEVICE,
+                     "argv": sys.argv[1:]}
+    if DEVICE.startswith("cuda"):
+        r.data["env"].update(gpu=torch.cuda.get_device_name(0),
+                             sms=torch.cuda.get_device_properties(0).multi_processor_count)
     try:
         import torchvision
 
@@ -493,7 +740,7 @@ def main() -> int:
         return (args.only is None or name in args.only) and name not in args.skip
 
     kv, prefill_ms = None, REF["prefill_2048_ms"]
-    for name in ("encode", "prefill", "decode", "handoff", "split"):
+    for name in ("encode", "prefill", "decode", "decode_load", "handoff", "split"):
         if not want(name) or (name == "handoff" and kv is None):
             continue
         try:
@@ -505,6 +752,8 @@ def main() -> int:
                 prefill_ms = val["forward_first_token_ms_p50"]
             elif name == "decode":
                 val = bench_decode(args, d)
+            elif name == "decode_load":
+                val = bench_decode_load(args, d)
             elif name == "handoff":
                 val = bench_handoff(args, kv, prefill_ms)
             else:

@@ -51,6 +51,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+STATS_SETTLE_S = 2.5  # > the decode worker's statistics period: the point's last steps are written
 TIERS = (("strict", 2, 60), ("tight", 4, 80), ("moderate", 8, 100), ("loose", 16, 150), ("relaxed", 32, 250))
 
 SYSTEMS: dict[str, dict[str, Any]] = {
@@ -160,6 +161,63 @@ def bench_point(url: str, spec_path: Path, rate: float, n: int, seed: int, env: 
         raise RuntimeError(f"easerve bench failed ({r.returncode}): {r.stderr[-2000:]}") from None
 
 
+def decode_stats(directory: Path) -> dict[str, Any]:
+    """The decode workers' cumulative counters (``$EASERVE_DECODE_STATS``), summed over processes."""
+    tot: dict[str, Any] = {"loop": {}, "engine": {}}
+    for f in sorted(directory.glob("decode-*.json")):
+        try:
+            doc = json.loads(f.read_text())
+        except (OSError, ValueError):
+            continue
+        for part in ("loop", "engine"):
+            for k, v in (doc.get(part) or {}).items():
+                if isinstance(v, dict):
+                    h = tot[part].setdefault(k, {})
+                    for b, c in v.items():
+                        h[b] = h.get(b, 0) + c
+                elif isinstance(v, (int, float)):
+                    tot[part][k] = tot[part].get(k, 0) + v
+    return tot
+
+
+def decode_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """Where the decode loop's time went during one point: per step, the engine's wall time, the
+    GPU time of the forward and of sampling (CUDA events), the host rest; per admission, its wall
+    time and how it was loaded."""
+    def d(part: str, k: str) -> float:
+        return float(after[part].get(k, 0)) - float(before[part].get(k, 0))
+
+    steps = d("engine", "steps")
+    if steps <= 0:
+        return {}
+    admits = d("engine", "admits")
+    iters = max(1.0, d("loop", "iterations"))
+    out = {
+        "steps": int(steps),
+        "rows_per_step": round(d("engine", "rows") / steps, 2),
+        "engine_step_ms": round(1e3 * d("engine", "step_s") / steps, 2),
+        "forward_gpu_ms": round(d("engine", "forward_ms") / steps, 2),
+        "sample_gpu_ms": round(d("engine", "sample_ms") / steps, 3),
+        "loop_iteration_ms": round(1e3 * d("loop", "step_s") / iters, 2),
+        "loop_admit_ms_per_iteration": round(1e3 * d("loop", "admit_s") / iters, 3),
+        "loop_busy_s": round(d("loop", "loop_s") - d("loop", "idle_s"), 2),
+        "admits": int(admits),
+        "admit_ms": round(1e3 * d("engine", "admit_s") / admits, 2) if admits else None,
+        "admit_wait_ms": round(1e3 * d("engine", "admit_wait_s") / admits, 2) if admits else None,
+        "admit_unstaged": int(d("engine", "admit_unstaged")),
+        "staged": int(d("engine", "staged")),
+        "stage_ms": round(1e3 * d("engine", "stage_s") / max(1.0, d("engine", "staged")), 1),
+        "release_ms": round(1e3 * d("engine", "release_s") / max(1.0, d("engine", "releases")), 3),
+        "captures": int(d("engine", "captures")),
+        "capture_s": round(d("engine", "capture_s"), 2),
+    }
+    for h in ("kv_len", "batch_bucket"):
+        a, b = after["engine"].get(h, {}), before["engine"].get(h, {})
+        out[h] = {k: v - b.get(k, 0) for k, v in sorted(a.items(), key=lambda kv: int(kv[0])) if v - b.get(k, 0)}
+    out["host_ms_per_step"] = round(out["engine_step_ms"] - out["forward_gpu_ms"] - out["sample_gpu_ms"], 2)
+    return out
+
+
 def gpu_info() -> dict[str, Any]:
     try:
         import torch
@@ -222,7 +280,10 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         spec_path = out / system / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(doc, indent=1))
-        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"]}
+        stats_dir = out / system / "decode-stats"
+        stats_dir.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"],
+               "EASERVE_DECODE_STATS": str(stats_dir)}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
         log(f"{system}: starting easerve serve")
@@ -240,8 +301,13 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
                     log(f"{system}: budget spent before rate {rate}")
                     break
                 log(f"{system}: rate {rate} req/s, {args.requests} requests")
+                time.sleep(0.5)  # the decode loop wrote its idle statistics
+                before = decode_stats(stats_dir)
                 rep = bench_point(srv.url, spec_path, rate, args.requests, 1, env)
-                runs["points"].append({"rate": rate, **rep})
+                time.sleep(STATS_SETTLE_S)
+                loop = decode_breakdown(before, decode_stats(stats_dir))
+                runs["points"].append({"rate": rate, **rep, "decode_loop": loop})
+                log(f"{system}: rate {rate}: decode loop {loop}")
                 g = rep.get("goodput", {})
                 log(f"{system}: rate {rate}: throughput {rep.get('throughput')} goodput {g} "
                     f"ttft p99 {rep.get('ttft_p99')} failed {rep.get('failed')} {rep.get('errors')}")
@@ -275,6 +341,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
                 "goodput": {t: {str(p["rate"]): round(goodput_of(p, t), 3) for p in pts} for t in tiers},
                 "throughput": {str(p["rate"]): p.get("throughput") for p in pts},
                 "ttft_p99": {str(p["rate"]): p.get("ttft_p99") for p in pts},
+                "tpot_mean": {str(p["rate"]): p.get("tpot_mean") for p in pts},
+                "tpot_p99": {str(p["rate"]): p.get("tpot_p99") for p in pts},
                 "best_moderate": round(max((goodput_of(p, "moderate") for p in pts), default=0.0), 3),
                 **({"error": s["error"][:300]} if s.get("error") else {}),
             }
