@@ -170,3 +170,25 @@ def test_batched_anyres_preprocessing_equals_the_library_per_image(tmp_path: Pat
     b = ours(text=texts, images=imgs, return_tensors="pt", padding=True, device="cpu")
     for key in ("input_ids", "pixel_values", "image_sizes"):
         assert torch.equal(a[key], b[key]), key
+
+
+def test_a_mapped_blob_take_is_the_kv_cache_without_a_copy(tmp_path: Path) -> None:
+    """decode takes a same-host KV blob as a private mapping of its file: the same bytes, writable
+    (the tensor wraps them), the file gone at once, and writing never reaches the sender's file."""
+    import torch
+    from easerve_runtime.engines.hf import _to_bytes, kv_meta, unpack_kv
+    from easerve_runtime.workers.blobs import HostBlobs
+
+    kv = torch.randn(2, 2, 3, 7, 4).to(torch.bfloat16)
+    blobs = HostBlobs(tmp_path)
+    name = blobs.put_sync(_to_bytes(kv))
+    data = blobs.take_sync(name, mapped=True)
+    assert not list(tmp_path.iterdir())  # taken: the name is free, the mapping keeps the pages
+    back = unpack_kv(data, kv_meta(kv))
+    assert torch.equal(back, kv)
+    back.view(torch.int16)[0, 0, 0, 0, 0] += 1  # writable, copy-on-write: nothing else sees it
+    assert not torch.equal(back, kv)
+    with pytest.raises(ValueError, match="is gone"):
+        blobs.take_sync(name, mapped=True)
+    empty = blobs.put_sync(b"")
+    assert len(blobs.take_sync(empty, mapped=True)) == 0

@@ -17,6 +17,7 @@ tensor type leaking into the transport.
 
 from __future__ import annotations
 
+import mmap
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
@@ -149,7 +150,8 @@ class DecodeSequence:
     generated: list[int] = field(default_factory=list)
     stop_token_ids: tuple[int, ...] = ()
     sampling: Sampling | None = None
-    kv: bytes | bytearray | memoryview | None = None
+    kv: bytes | bytearray | memoryview | mmap.mmap | None = None
+    """The handed-over cache's bytes (a same-host blob arrives as a private mapping of its file)."""
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
 import os
 import re
 import uuid
@@ -53,8 +54,26 @@ class HostBlobs:
         tmp.replace(self.dir / name)  # a reader never sees a partial blob
         return name
 
-    def take_sync(self, name: str) -> bytearray:
+    def take_sync(self, name: str, mapped: bool = False) -> bytearray | mmap.mmap:
+        """The blob's bytes, writable (tensors are built on them without another copy); the file is gone.
+
+        ``mapped``: a private copy-on-write mapping of the file instead of a read into fresh memory:
+        no copy at all (the pages stay until the mapping is dropped). Why: reading a ~390 MB KV
+        cache into a new buffer cost ~0.4 s of page faults and copying on a small host, on the way
+        from a request's first token to its second."""
         path = self._path(name)
+        if mapped:
+            try:
+                with open(path, "rb") as f:
+                    size = os.fstat(f.fileno()).st_size
+                    if size:
+                        return mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY)
+            except FileNotFoundError:
+                raise ValueError(f"blob {name} is gone (taken twice, or its sender discarded it)") from None
+            finally:
+                with contextlib.suppress(OSError):
+                    path.unlink()  # the mapping keeps the pages; the name is freed now
+            return bytearray()
         try:
             size = path.stat().st_size
             buf = bytearray(size)  # writable: tensors are built on it without another copy
@@ -76,5 +95,5 @@ class HostBlobs:
     async def put(self, data: bytes | memoryview) -> str:
         return await asyncio.to_thread(self.put_sync, data)
 
-    async def take(self, name: str) -> bytearray:
-        return await asyncio.to_thread(self.take_sync, name)
+    async def take(self, name: str, mapped: bool = False) -> bytearray | mmap.mmap:
+        return await asyncio.to_thread(self.take_sync, name, mapped)

@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import math
+import mmap
 import os
 import time
 from collections.abc import AsyncIterator, Callable
@@ -125,11 +126,11 @@ class DecodeWorker:
             return
         try:
             rid = str(request["id"])
-            kv: bytes | bytearray | None = None
+            kv: bytes | bytearray | mmap.mmap | None = None
             if "kv_blob" in request:
                 if self.blobs is None:
                     raise ValueError("a same-host KV blob was sent, but this worker has no blob directory")
-                kv = await self.blobs.take(str(request["kv_blob"]))
+                kv = await self.blobs.take(str(request["kv_blob"]), mapped=True)  # no copy: mapped
             elif "kv_chunks" in request:
                 got = self._kv_in.pop(rid, {})
                 n = int(request["kv_chunks"])
