@@ -136,11 +136,12 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
     from easerve_runtime.engines.hf import HFEncodeEngine
 
     eng = HFEncodeEngine(d, device=DEVICE, random_weights=True)
-    default_chunk = eng.chunk_images
+    default_chunk, default_ramp = eng.chunk_images, eng.chunk_ramp
     res: dict[str, Any] = {"note": "images/s per GPU; every request one image + a short prompt; microbatch_b*: "
                            "the engine's default chunking (chunk_images), chunk_sweep: other chunk sizes "
                            "(0 = one serial pass, as before)",
-                           "batched_preprocess": eng.batched_preprocess, "chunk_images": default_chunk}
+                           "batched_preprocess": eng.batched_preprocess, "chunk_images": default_chunk,
+                           "chunk_ramp": default_ramp}
     msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},)
     n = 8 if args.smoke else 32 if args.quick else 96
     for name, (h, w) in SIZES.items():
@@ -176,12 +177,14 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
             row[f"microbatch_b{b}_img_s"], row[f"microbatch_b{b}_ms_p50"] = _encode_rate(eng, reqs, b)
             row[f"microbatch_b{b}_path"] = eng.last_path
             for c in (0, 2, 4, 8):
-                if c == default_chunk or c >= b:
-                    continue
-                eng.chunk_images = c
-                img_s, ms = _encode_rate(eng, reqs, b)
-                sweep[f"b{b}_chunk{c}"] = {"img_s": img_s, "ms_p50": ms}
-            eng.chunk_images = default_chunk
+                for ramp in (True, False):
+                    if (c == default_chunk and ramp == default_ramp) or c >= b or (c == 0 and not ramp):
+                        continue
+                    eng.chunk_images, eng.chunk_ramp = c, ramp
+                    img_s, ms = _encode_rate(eng, reqs, b)
+                    sweep[f"b{b}_chunk{c}{'' if ramp or c == 0 else '_uniform'}"] = {
+                        "img_s": img_s, "ms_p50": ms, "chunks": [len(x) for x in eng._chunks(reqs[:b])]}
+            eng.chunk_images, eng.chunk_ramp = default_chunk, default_ramp
             eng.profile = True  # one more batch, serial and synchronized between phases: where the time goes
             eng._encode_sync(reqs[:b])
             eng.profile = False

@@ -382,6 +382,7 @@ class _Stage:
 
 
 ENCODE_CHUNK_ENV = "EASERVE_ENCODE_CHUNK"
+ENCODE_RAMP_ENV = "EASERVE_ENCODE_RAMP"
 DEFAULT_ENCODE_CHUNK = 4
 
 
@@ -409,6 +410,8 @@ class HFEncodeEngine(_Stage):
         default_chunk = DEFAULT_ENCODE_CHUNK if str(device).startswith("cuda") else 0
         self.chunk_images = int(os.environ.get(ENCODE_CHUNK_ENV, default_chunk))
         """Pipeline a micro-batch in chunks of this many media items (0: one pass; ``_encode_pipelined``)."""
+        self.chunk_ramp = os.environ.get(ENCODE_RAMP_ENV, "1") != "0"
+        """First chunks smaller (1, 2, 4, ...), see ``_chunks``."""
         self._prep_pool: Any = None
         self._prep_stream: Any = None
         self._host_stream: Any = None
@@ -459,18 +462,28 @@ class HFEncodeEngine(_Stage):
         return enc
 
     def _chunks(self, batch: Sequence[EncodeInput]) -> list[list[int]]:
-        """Requests grouped in order into chunks of at least ``chunk_images`` media items (0: one chunk)."""
+        """Requests grouped in order into chunks of ``chunk_images`` media items (0: one chunk).
+
+        With ``chunk_ramp`` the first chunks are smaller (1, 2, 4, ... up to ``chunk_images``): only
+        the first chunk's preprocessing is not hidden behind a tower, so it should be short, and
+        each next one only has to be ready when the tower before it ends. A last chunk of fewer
+        than half the size joins the one before it (a tower of one or two images runs below the
+        GPU's ceiling)."""
         c = self.chunk_images
         if c <= 0 or self.family != "llava_next":
             return [list(range(len(batch)))]
         out: list[list[int]] = [[]]
+        size = 1 if self.chunk_ramp else c
         items = 0
         for i, r in enumerate(batch):
-            if items >= c:
+            if items >= size:
                 out.append([])
                 items = 0
+                size = min(c, 2 * size)
             out[-1].append(i)
             items += len(r.parts)
+        if len(out) > 1 and items < c / 2 and size == c:
+            out[-2].extend(out.pop())
         return out
 
     def _encode_sync(self, batch: Sequence[EncodeInput]) -> list[Embedding]:
