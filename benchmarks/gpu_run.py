@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import re
 import shlex
@@ -41,10 +42,8 @@ def copy_serve(out: Path) -> None:
     for name in ("gpu_serve.json", "gpu_serve.png"):
         f = SERVE_DIR / name
         if f.exists():
-            try:
+            with contextlib.suppress(OSError):
                 shutil.copyfile(f, out / name)
-            except OSError:
-                pass
 
 
 def warnings(root: Path, limit: int = 40) -> list[str]:
