@@ -250,12 +250,29 @@ def bench_prefill(args: argparse.Namespace, d: Path) -> tuple[dict[str, Any], An
                 fwd.append(t1 - t0)
                 packs.append(t2 - t1)
     full = [eng.prefill_one(r) for _ in range(2)][-1]
+    deferred: dict[str, float] = {}
+    if DEVICE.startswith("cuda"):  # the served path: deferred_pack, pinned (default) vs pageable
+        from easerve_runtime.engines import hf
+
+        for env in ("1", "0"):
+            os.environ[hf.PINNED_ENV] = env
+            ts = []
+            for _ in range(4):
+                o = eng.prefill_one(r)
+                sync()
+                t0 = time.perf_counter()
+                assert o.pack_kv is not None
+                o.pack_kv()
+                ts.append(time.perf_counter() - t0)
+            deferred["pinned" if env == "1" else "pageable"] = round(1e3 * statistics.median(ts[1:]), 2)
+        os.environ.pop(hf.PINNED_ENV)
     res = {
         "tokens": 2048,
         "forward_first_token_ms_p50": round(1e3 * statistics.median(fwd), 2),
         "reference_ms": REF["prefill_2048_ms"],
         "ratio_to_reference": round(1e3 * statistics.median(fwd) / REF["prefill_2048_ms"], 3),
         "kv_pack_d2h_ms_p50": round(1e3 * statistics.median(packs), 2),
+        "kv_deferred_pack_ms_p50": deferred,
         "kv_bytes": full.kv_bytes,
         "kv_bytes_per_token": full.kv_bytes // 2048,
     }

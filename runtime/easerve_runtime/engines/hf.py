@@ -209,10 +209,25 @@ def pack_kv(cache: Any) -> tuple[memoryview, dict[str, Any]]:
     return _to_bytes(kv), kv_meta(kv)
 
 
+PINNED_ENV = "EASERVE_KV_PINNED"
+
+
+def kv_pinned() -> bool:
+    """KV caches cross between host and device through pinned memory (``EASERVE_KV_PINNED``, default on).
+
+    Why: the pageable device-to-host copy of a 2,048-token cache (256 MiB) took 412 ms on the H200
+    host (0.6 GB/s, gpu_engine run 2). If the pageable host-to-device load of a ~390 MB cache that
+    admission did on the decode loop ran at that rate, each admission stalled every running
+    sequence ~0.6 s, and the ~1.8 req/s at which the H200 end-to-end runs saturated is one such
+    load after another (inferred from that rate; ``gpu_engine.py`` section ``decode_load`` measures
+    it). Pinned buffers come from torch's caching host allocator (reused, not re-pinned each time)."""
+    return os.environ.get(PINNED_ENV, "1") != "0"
+
+
 def deferred_pack(kv: Any, ready: Any) -> Any:
     """``PrefillOutput.pack_kv`` for a device tensor: copies it to the host on a side stream once the
     prefill's stream has produced it (``ready``, a CUDA event), so the copy neither waits for nor
-    holds up the next prefill's kernels."""
+    holds up the next prefill's kernels; into pinned memory unless ``kv_pinned()`` says otherwise."""
 
     held = [kv]  # released by the first call: the device copy must not live as long as the request
 
@@ -227,8 +242,13 @@ def deferred_pack(kv: Any, ready: Any) -> Any:
         stream = torch.cuda.Stream(device=dev.device)
         with torch.cuda.stream(stream):
             stream.wait_event(ready)
-            host = dev.to("cpu")  # pageable: synchronous for this thread only
+            if kv_pinned():
+                host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                host.copy_(dev, non_blocking=True)
+            else:
+                host = dev.to("cpu")  # pageable: synchronous for this thread only
         dev.record_stream(stream)
+        stream.synchronize()
         del dev
         return _to_bytes(host)
 
@@ -873,7 +893,6 @@ class SlotCache:
 
 STAGE_ENV = "EASERVE_KV_STAGE"
 DEFAULT_STAGE_BUFFERS = 4
-PINNED_ENV = "EASERVE_KV_PINNED"
 
 
 def _new_decode_stats() -> dict[str, Any]:
@@ -940,7 +959,7 @@ class HFDecodeEngine(_Stage):
         """Held by a CUDA graph capture and by a staging copy: a capture (global mode) fails if another
         thread synchronizes or allocates meanwhile, and a failed capture would leave decode eager."""
         self._staging_failed = False
-        self.pinned = os.environ.get(PINNED_ENV, "0") == "1"
+        self.pinned = kv_pinned()
         """Copy a cache into pinned host memory before the host-to-device copy (else: pageable)."""
         self.stats = _new_decode_stats()
 
@@ -1026,11 +1045,12 @@ class HFDecodeEngine(_Stage):
             out.copy_(kv)
             return out
         assert self._copy_stream is not None
-        with self._capture_lock:
-            if self.pinned:
+        if self.pinned:
+            with self._capture_lock:  # pinning memory is not allowed while a graph is being captured
                 pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-                pin.copy_(kv)
-                kv = pin
+            pin.copy_(kv)  # a host copy (torch's threads): no CUDA call, no lock
+            kv = pin
+        with self._capture_lock:
             with torch.cuda.stream(self._copy_stream):
                 if free_after is not None:
                     self._copy_stream.wait_event(free_after)  # its last slot copy has read it
