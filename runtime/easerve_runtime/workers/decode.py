@@ -76,7 +76,8 @@ class DecodeWorker:
         self.blobs = HostBlobs.from_env()
         """Same-host shared memory the KV cache may arrive through (``workers.blobs``)."""
         self.stop_token_ids: tuple[int, ...] = tuple(getattr(engine, "stop_token_ids", ()))
-        self._stage = getattr(engine, "stage", None)
+        stage = getattr(engine, "stage", None)
+        self._stage = stage if callable(stage) else None
         """The engine's ``stage(seq)``: start moving a cache to the device before admission (optional)."""
         self._unstaged: dict[str, DecodeSequence] = {}  # waiting, their cache still on the host (FIFO)
         self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
