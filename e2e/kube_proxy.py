@@ -82,6 +82,8 @@ class KubeProxy:
         self.kubeconfig = kubeconfig
         self.hosts_file = hosts_file
         self._hosts = ""
+        self.listeners: list[Any] = []
+        """Called with (services, pods) after each sync: one list of each serves every stand-in."""
         self.octet = (octet if octet is not None else 30) + 100
         self.resync_s = resync_s
         self._loop = asyncio.new_event_loop()
@@ -199,6 +201,11 @@ class KubeProxy:
                 table[key] = sorted(addrs)
         self._table = table
         self._write_hosts(svcs)
+        for fn in list(self.listeners):
+            try:
+                fn(svcs, pods)
+            except Exception as e:  # noqa: BLE001 - a listener never stops the proxy
+                log.warning("kube proxy listener failed: %s", e)
         for key in [k for k in self._servers if k not in want or self._servers[k][0] != want[k]]:
             _, srv = self._servers.pop(key)
             srv.close()

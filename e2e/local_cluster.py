@@ -14,6 +14,7 @@ when it is imported, so whoever starts a cluster must set KUBECONFIG first (see 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import subprocess
@@ -269,11 +270,27 @@ class LocalCluster(Cluster):
     # ------------------------------------------------------------------ Prometheus
     def start_prometheus(self, interval: str = "1s") -> str:
         """A real Prometheus (Debian's, e2e/prom-up.sh) that scrapes this cluster's serving pods the way
-        the chart's PodMonitor does (`pods_scrape_config`); returns its URL. Stopped by `stop`."""
+        the chart's PodMonitor does (`pod_targets`, kept by the kube-proxy stand-in's pod list);
+        returns its URL. Stopped by `stop`."""
+        if self.proxy is None:
+            raise RuntimeError("start_prometheus needs the pods to run (start_harness(processes=True))")
         prom = Path(self.run_dir, "prom")
         prom.mkdir(parents=True, exist_ok=True)
+        targets = prom / "pods.json"
+        targets.write_text("[]")
+        last: list[str] = []
+
+        def write_targets(_svcs: list[dict[str, Any]], pods: list[dict[str, Any]]) -> None:
+            text = json.dumps(pod_targets(pods))
+            if text != (last[0] if last else None):
+                tmp = targets.with_suffix(".tmp")
+                tmp.write_text(text)
+                tmp.replace(targets)  # Prometheus re-reads a replaced file (inotify)
+                last[:] = [text]
+
+        self.proxy.listeners.append(write_targets)
         cfg = prom / "prometheus.yml"
-        cfg.write_text(pods_scrape_config(api_url_of(self.kubeconfig), Path(self.run_dir, "pki"), interval))
+        cfg.write_text(pods_scrape_config(targets, interval))
         r = subprocess.run(
             ["bash", str(E2E / "prom-up.sh"), str(cfg)],
             env=dict(os.environ, PROM_DIR=str(prom)),
@@ -302,28 +319,42 @@ SCRAPED_PORTS = ("http", "system", "system-lp")
 """The container ports the chart's PodMonitor scrapes: the frontend's HTTP port, the workers' system ports."""
 
 
-def pods_scrape_config(api_url: str, pki: Path, interval: str = "1s") -> str:
-    """prometheus.yml for the local cluster: the chart's PodMonitor (charts/easerve/templates/
-    monitoring.yaml) as a plain scrape config, for a Prometheus without the Prometheus Operator.
+def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Prometheus file_sd targets for the serving pods: the chart's PodMonitor (charts/easerve/
+    templates/monitoring.yaml) as discovery. Debian's Prometheus is built without Kubernetes service
+    discovery, so this plays it: every Running pod with an ``easerve.io/deployment`` label, one
+    target per container port the PodMonitor scrapes, labelled as the PodMonitor labels it
+    (``namespace``, ``pod``, ``container``, ``epd_deployment``, ``epd_stage``: what the operator's
+    trial scorer selects on). Pod IPs are the kubelet harness's loopback addresses, reachable here."""
+    out = []
+    for p in pods:
+        md, st = p["metadata"], p.get("status") or {}
+        labels = md.get("labels") or {}
+        if "easerve.io/deployment" not in labels or st.get("phase") != "Running" or not st.get("podIP"):
+            continue
+        if md.get("deletionTimestamp"):
+            continue
+        for c in p["spec"].get("containers") or []:
+            for port in c.get("ports") or []:
+                if port.get("name") not in SCRAPED_PORTS:
+                    continue
+                out.append({
+                    "targets": [f"{st['podIP']}:{port['containerPort']}"],
+                    "labels": {
+                        "namespace": md["namespace"],
+                        "pod": md["name"],
+                        "container": c["name"],
+                        "epd_deployment": labels["easerve.io/deployment"],
+                        "epd_stage": labels.get("easerve.io/stage", ""),
+                    },
+                })
+    return sorted(out, key=lambda t: t["targets"][0])
 
-    Pod discovery reads the apiserver (admin client certificate); the targets are the pods'
-    loopback IPs (the kubelet harness's pod network), so Prometheus on this host reaches them. The
-    labels are the PodMonitor's: ``namespace``, ``pod``, ``container``, ``epd_deployment``,
-    ``epd_stage``, which is what the operator's trial scorer selects on."""
+
+def pods_scrape_config(targets_file: Path, interval: str = "1s") -> str:
+    """prometheus.yml for the local cluster: one job over the pod targets file (`pod_targets`)."""
     import yaml
 
-    tls = {"ca_file": str(pki / "ca.crt"), "cert_file": str(pki / "admin.crt"), "key_file": str(pki / "admin.key")}
-    relabel = [
-        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_deployment"], "regex": ".+", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_container_port_name"], "regex": "|".join(SCRAPED_PORTS),
-         "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_pod_phase"], "regex": "Running", "action": "keep"},
-        {"source_labels": ["__meta_kubernetes_namespace"], "target_label": "namespace"},
-        {"source_labels": ["__meta_kubernetes_pod_name"], "target_label": "pod"},
-        {"source_labels": ["__meta_kubernetes_pod_container_name"], "target_label": "container"},
-        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_deployment"], "target_label": "epd_deployment"},
-        {"source_labels": ["__meta_kubernetes_pod_label_easerve_io_stage"], "target_label": "epd_stage"},
-    ]
     cfg = {
         "global": {"scrape_interval": interval, "evaluation_interval": interval},
         "scrape_configs": [
@@ -332,8 +363,7 @@ def pods_scrape_config(api_url: str, pki: Path, interval: str = "1s") -> str:
                 "scrape_interval": interval,
                 "scrape_timeout": interval,
                 "metrics_path": "/metrics",
-                "kubernetes_sd_configs": [{"role": "pod", "api_server": api_url, "tls_config": tls}],
-                "relabel_configs": relabel,
+                "file_sd_configs": [{"files": [str(targets_file)], "refresh_interval": "5s"}],
             }
         ],
     }
