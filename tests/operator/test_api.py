@@ -129,7 +129,7 @@ def test_crd_shape() -> None:
     assert crd["spec"]["names"]["shortNames"] == ["epd"]
     assert version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Phase", "Ready", "E/P/D", "B", "s", "Age"]
+    assert cols == ["Phase", "Ready", "E/P/D", "B", "s", "Tuning", "Age"]
     spec = version["schema"]["openAPIV3Schema"]["properties"]["spec"]
     b = spec["properties"]["encode"]["properties"]["batchBound"]
     assert (b["type"], b["minimum"], b["maximum"]) == ("integer", 1, 256)

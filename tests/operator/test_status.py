@@ -36,7 +36,8 @@ def test_ready_when_every_stage_is_complete() -> None:
     assert c["Progressing"][0] == c["Degraded"][0] == c["Reconciling"][0] == c["Stalled"][0] == "False"
     assert st["readySummary"] == "2/2,1/1,2/2"
     assert st["effective"] == {"allocation": SPEC.allocation.wire(), "allocationLabel": "2E-1P(tp2)-2D(tp2)",
-                               "batchBound": 8, "offloadRatio": 0.5, "source": "spec"}
+                               "batchBound": 8, "offloadRatio": 0.5, "source": "spec",
+                                "smPartition": "dynamic", "sources": {}}
 
 
 def test_progressing_while_pods_start_or_a_rollout_runs() -> None:

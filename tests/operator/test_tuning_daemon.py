@@ -46,7 +46,7 @@ class Recorder:
             t = p["tuning"]
             if t["state"] != "Running":
                 out.append(t["state"])
-            elif t["trials"] == 0:
+            elif t["trials"] == 0 and t.get("phase") in (None, "Profiling"):
                 out.append("start")
         return out
 
@@ -125,13 +125,13 @@ KILLER = textwrap.dedent(
         search_mod.run_stage1 = killed_stage1
     else:
         after = int(point.split(":")[1])  # killed once trial `after` is recorded
-        call = tuning._Progress.__call__
+        call = tuning.SearchReporter.__call__
 
         def progress(self, rec, records):
             if rec.number >= after:
                 die()
             return call(self, rec, records)
-        tuning._Progress.__call__ = progress
+        tuning.SearchReporter.__call__ = progress
 
     class Quiet:
         def patch_status(self, *a):

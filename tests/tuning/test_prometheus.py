@@ -34,7 +34,7 @@ from easerve_operator.tuning.prometheus import (
     reset_corrected,
     selector_string,
 )
-from easerve_runtime.metrics import LATENCY_BUCKETS, TPOT_BUCKETS
+from easerve_runtime.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 from easerve_runtime.workers.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -265,17 +265,17 @@ def test_prometheus_figures_agree_with_the_bench_report(tmp_path: Path) -> None:
         assert set(f.goodput) == set(rep["goodput"])
         for tier, v in rep["goodput"].items():
             assert f.goodput[tier] == pytest.approx(v, rel=0.03)
-        # percentiles: a histogram resolves a value to its bucket, so the documented
-        # resolution is one bucket: the bench's client-side percentile lies in the bucket of
-        # the Prometheus estimate or in a neighbouring one (the client adds its own HTTP/SSE
-        # and event-loop delay on a busy host, so it may sit one bucket higher).
-        bounds = {"ttft": LATENCY_BUCKETS, "tpot": TPOT_BUCKETS}
-        for name in ("ttft", "tpot"):
+        # percentiles: a histogram resolves a value to its bucket. TPOT's buckets are coarse (1.3-2x):
+        # the bench's client-side percentile lies in the estimate's bucket or a neighbouring one.
+        # TTFT's are 9 % apart (TTFT_BUCKETS): the client adds its own HTTP/SSE and event-loop delay
+        # on a busy host (+77 ms on the mean here), so it may sit a few buckets higher, never lower
+        # by more than one; 4 buckets up is a factor of 1.41.
+        for name, bounds, up in (("ttft", TTFT_BUCKETS, 4), ("tpot", TPOT_BUCKETS, 1)):
             for q in ("p50", "p99"):
                 est = getattr(f, name).quantiles[q]
-                i = _bucket_index(est, bounds[name])
-                j = _bucket_index(rep[name][q], bounds[name])
-                assert abs(i - j) <= 1, (name, q, est, rep[name][q], bounds[name])
+                i = _bucket_index(est, bounds)
+                j = _bucket_index(rep[name][q], bounds)
+                assert -1 <= j - i <= up, (name, q, est, rep[name][q])
 
 
 def _bucket_index(v: float, bounds: tuple[float, ...]) -> int:

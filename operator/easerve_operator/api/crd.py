@@ -120,6 +120,7 @@ def build_crd() -> dict[str, Any]:
         {"name": "E/P/D", "type": "string", "jsonPath": ".status.effective.allocationLabel"},
         {"name": "B", "type": "integer", "jsonPath": ".status.effective.batchBound"},
         {"name": "s", "type": "number", "jsonPath": ".status.effective.offloadRatio"},
+        {"name": "Tuning", "type": "string", "jsonPath": ".status.tuning.phase", "priority": 1},
         {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     ]
     return {

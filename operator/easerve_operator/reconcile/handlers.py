@@ -191,13 +191,23 @@ async def owner_event(
     **_: Any,
 ) -> None:
     """Drop per-owner memory once an EPDDeployment is gone (long-running operators stay small);
-    once the status handed to kopf's patch is seen, write what child events found meanwhile."""
+    once the status handed to kopf's patch is seen, write what child events found meanwhile; when a
+    HAS search ended (``status.tuning``: no new generation, so the spec handler does not run), apply
+    the tuned values to the children (``reconcile.effective``)."""
     key = (namespace, name)
     rec: Reconciler = memo.reconciler
     if event.get("type") == "DELETED":
         rec.forget(key)
-    elif rec.landed(key, (status or {}).get("observedGeneration")):
-        owner = _owner_from_index(memo, owners, key)
+        return
+    landed = rec.landed(key, (status or {}).get("observedGeneration"))
+    owner = _owner_from_index(memo, owners, key)
+    if owner is None or owner.deleting:
+        return
+    if rec.overlay_changed(owner):  # cheap: cached per generation and overlay
+        out = await asyncio.to_thread(rec.reconcile, owner, lambda: memo.informer.children(key))
+        if out.apply_error:
+            logging.getLogger(__name__).error("%s/%s: applying the tuned values: %s", *key, out.apply_error)
+    elif landed:
         await asyncio.to_thread(rec.refresh, owner, lambda: memo.informer.children(key))
 
 
@@ -229,7 +239,7 @@ class CapacitySweeper:
                 logging.getLogger(__name__).exception("capacity sweep failed")
 
 
-def _render_with_defaults(name: str, namespace: str, uid: str, spec: Any) -> list[dict[str, Any]]:
+def render_with_defaults(name: str, namespace: str, uid: str, spec: Any) -> list[dict[str, Any]]:
     """Render with the operator-wide defaults filled in (``reconcile/defaults.py``): the stored spec
     is never written, only the rendered copy carries e.g. the discovery etcd endpoints."""
     return render_children(name, namespace, uid, with_operator_defaults(spec, OPTIONS.defaults))
@@ -277,7 +287,7 @@ def stop_informer(memo: kopf.Memo, **_: Any) -> None:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, owners: kopf.Index, **_: Any) -> None:
     """Runs on the event loop: builds the reconciler (unless injected) and the loop reader."""
     if "reconciler" not in memo:
-        memo.reconciler = Reconciler(client_factory=Kube, render=_render_with_defaults)
+        memo.reconciler = Reconciler(client_factory=Kube, render=render_with_defaults)
     memo.read = LoopReader(asyncio.get_running_loop())
     if "informer" not in memo:
         memo.informer = ChildInformer(

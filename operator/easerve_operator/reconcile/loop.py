@@ -44,12 +44,14 @@ from easerve_runtime.api import (
     parse_spec,
     spec_errors,
 )
+from easerve_runtime.api.status import EffectiveConfig
 from easerve_runtime.profiles import profile_errors
 from easerve_runtime.topology import plan
 from pydantic import ValidationError
 
 from easerve_operator.reconcile import metrics
 from easerve_operator.reconcile.drift import drifted
+from easerve_operator.reconcile.effective import resolve
 from easerve_operator.reconcile.status import StageObservation, compute_status, status_differs
 from easerve_operator.render import render_children
 
@@ -103,8 +105,14 @@ class Owner:
 @dataclass(frozen=True)
 class Desired:
     spec: EPDDeploymentSpec | None
+    """What runs: the stored spec with tuned values on its unset searched fields (``effective``)."""
     errors: list[str]
     children: list[dict[str, Any]]
+    effective: EffectiveConfig | None = None
+    waiting: str | None = None
+    """Why nothing is deployed yet (the first HAS search chooses unset values), else None."""
+    overlay: str = "-"
+    """Which tuned values were laid over the spec (``Resolved.key``)."""
 
 
 @dataclass(frozen=True)
@@ -166,6 +174,12 @@ def config_hash(live: Children) -> str | None:
     return None
 
 
+def _bounded_put(cache: dict[Any, Any], key: Any, value: Any, size: int) -> None:
+    if len(cache) >= size:
+        cache.pop(next(iter(cache)))
+    cache[key] = value
+
+
 def check_spec(raw: dict[str, Any]) -> tuple[EPDDeploymentSpec | None, list[str]]:
     """Every rule a spec must pass before anything is created, shared by the webhook and the
     reconciler: the models' rules, the spec against its latency profile where readable here
@@ -212,7 +226,9 @@ class Reconciler:
         self._applied: dict[Key, int | None] = {}
         self._unschedulable: dict[Key, list[str]] = {}
         self._last_status: dict[Key, bytes] = {}  # packed: compared and read back rarely
-        self._render_cache: dict[tuple[str, str, str, int | None], Desired] = {}
+        self._parsed: dict[tuple[str, str, str, int | None], tuple[EPDDeploymentSpec | None, list[str]]] = {}
+        self._render_cache: dict[tuple[str, str, str, int | None, str], Desired] = {}
+        self._overlay: dict[Key, str] = {}  # per owner: the tuned overlay its children were applied with
         # per owner: the resourceVersion of each child that was checked for drift and is in the
         # status already; an event for exactly that version (our own apply's echo) is a no-op
         self._seen: dict[Key, dict[ChildKey, str]] = {}
@@ -259,6 +275,7 @@ class Reconciler:
             self._seen.pop(key, None)
             self._deferred.pop(key, None)
             self._dirty.discard(key)
+            self._overlay.pop(key, None)
 
     def landed(self, key: Key, observed_generation: int | None) -> bool:
         """An owner event: if it shows the status handed to kopf's patch, stop deferring. Returns
@@ -292,22 +309,48 @@ class Reconciler:
         return target is not None and drifted(body, target)
 
     def desired(self, owner: Owner) -> Desired:
-        """Parse and render once per (owner, generation): child events arrive by the thousand."""
-        key = (owner.namespace, owner.name, owner.uid, owner.generation)
+        """Parse once per (owner, generation), lay the tuned values over it (``effective.resolve``:
+        cheap, but it changes when a search ends, with no new generation), render once per
+        (generation, overlay): child events arrive by the thousand."""
+        gen_key = (owner.namespace, owner.name, owner.uid, owner.generation)
+        with self._lock:
+            parsed = self._parsed.get(gen_key)
+        if parsed is None:
+            errors = name_errors(owner.name)
+            spec: EPDDeploymentSpec | None = None
+            if not errors:
+                spec, errors = check_spec(owner.spec)
+            parsed = (spec, errors)
+            with self._lock:
+                _bounded_put(self._parsed, gen_key, parsed, self.RENDER_CACHE_SIZE)
+        spec, errors = parsed
+        if spec is None:
+            return Desired(None, errors, [])
+        r = resolve(owner.spec, spec, owner.status.get("tuning"), owner.status.get("effective"))
+        key = (*gen_key, r.key)
         with self._lock:
             hit = self._render_cache.get(key)
         if hit is not None:
             return hit
-        errors = name_errors(owner.name)
-        spec: EPDDeploymentSpec | None = None
-        if not errors:
-            spec, errors = check_spec(owner.spec)
-        hit = Desired(spec, errors, self.render(owner.name, owner.namespace, owner.uid, spec) if spec else [])
+        if r.spec is None:
+            hit = Desired(None, r.errors, [], overlay=r.key)
+        elif r.waiting is not None:
+            hit = Desired(r.spec, [], [], waiting=r.waiting, overlay=r.key)
+        else:
+            children = self.render(owner.name, owner.namespace, owner.uid, r.spec)
+            hit = Desired(r.spec, [], children, effective=r.effective(), overlay=r.key)
         with self._lock:
-            if len(self._render_cache) >= self.RENDER_CACHE_SIZE:
-                self._render_cache.pop(next(iter(self._render_cache)))
-            self._render_cache[key] = hit
+            _bounded_put(self._render_cache, key, hit, self.RENDER_CACHE_SIZE)
         return hit
+
+    def overlay_changed(self, owner: Owner) -> bool:
+        """Whether the tuned values to run differ from those the children were applied with (a
+        search just ended): status.tuning changes bring no new generation, so kopf's spec
+        handler would never run again for it."""
+        if self._applied.get(owner.key) != owner.generation:
+            return False  # the owner handler has this generation in hand
+        want = self.desired(owner)
+        return self._overlay.get(owner.key, want.overlay) != want.overlay
 
     def _write_status(
         self, owner: Owner, status: dict[str, Any], via: Callable[[dict[str, Any]], None] | None = None
@@ -352,6 +395,8 @@ class Reconciler:
             previous_conditions=prev,
             config_hash=config_hash(live),
             now=self.now(),
+            effective_config=want.effective,
+            tuning_wait=want.waiting,
         ).wire()
 
     # ------------------------------------------------------------------------------ owner
@@ -363,7 +408,18 @@ class Reconciler:
     ) -> Outcome:
         """Make the children match the spec (apply-if-drifted, prune); report in status (through
         ``status_via`` when given: see ``_write_status``)."""
+        with metrics.RECONCILE_SECONDS.time():
+            return self._reconcile(owner, children, status_via)
+
+    def _reconcile(
+        self,
+        owner: Owner,
+        children: Callable[[], Children],
+        status_via: Callable[[dict[str, Any]], None] | None,
+    ) -> Outcome:
         want = self.desired(owner)
+        with self._lock:
+            self._overlay[owner.key] = want.overlay
         if want.spec is None:
             metrics.RECONCILES.labels(result="invalid").inc()
             log.warning("%s/%s: invalid, nothing created: %s", *owner.key, "; ".join(want.errors))

@@ -73,11 +73,13 @@ def _stamp(new: list[Condition], old: list[dict[str, Any]] | None, now: str) -> 
 
 
 def effective(spec: EPDDeploymentSpec) -> EffectiveConfig:
+    """The spec as written (no tuned values): what runs when ``reconcile.effective`` changes nothing."""
     return EffectiveConfig(
         allocation=spec.allocation,
         allocation_label=spec.allocation.label(),
         batch_bound=spec.encode.batch_bound,
         offload_ratio=spec.offload.ratio,
+        sm_partition=str(spec.sm_partition.mode),
         source="spec",
     )
 
@@ -113,8 +115,13 @@ def compute_status(
     previous_conditions: list[dict[str, Any]] | None = None,
     config_hash: str | None = None,
     now: str,
+    effective_config: EffectiveConfig | None = None,
+    tuning_wait: str | None = None,
 ) -> EPDDeploymentStatus:
-    """The full ``status`` (minus kopf's own bookkeeping and ``tuning``) for one EPDDeployment."""
+    """The full ``status`` (minus kopf's own bookkeeping and ``tuning``) for one EPDDeployment.
+
+    ``effective_config``: what runs (``reconcile.effective``; default: the spec as written);
+    ``tuning_wait``: why nothing is deployed yet (the first HAS search runs), else None."""
     g = generation
     unschedulable = unschedulable or []
     if errors or spec is None:
@@ -136,6 +143,9 @@ def compute_status(
     if apply_error:
         situation = Situation.APPLY_FAILED
         texts[Message.PROBLEM] = apply_error
+    elif tuning_wait is not None:
+        situation = Situation.TUNING
+        texts[Message.WAITING] = tuning_wait
     elif unschedulable:
         situation = Situation.UNSCHEDULABLE
         texts[Message.PROBLEM] = f"{len(unschedulable)} pod(s) cannot be scheduled: {unschedulable[0]}"
@@ -151,7 +161,7 @@ def compute_status(
         conditions=_stamp(conds, previous_conditions, now),
         stages=StagesStatus(**per_stage),
         ready_summary=summary,
-        effective=effective(spec),
+        effective=None if tuning_wait is not None else (effective_config or effective(spec)),
         config_hash=config_hash,
     )
 

@@ -33,7 +33,6 @@ lost (tested by killing the process at three points).
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import logging
 import os
@@ -52,6 +51,7 @@ from easerve_runtime.api import (
     EPDDeploymentSpec,
     PartitionMode,
     TrialBackend,
+    TuningPhase,
     TuningState,
     TuningStatus,
     parse_spec,
@@ -59,6 +59,8 @@ from easerve_runtime.api import (
 from easerve_runtime.api.status import Stage1Summary, TuningBest
 from pydantic import ValidationError
 
+from easerve_operator.reconcile import metrics
+from easerve_operator.reconcile.effective import fingerprint, partition, unset_fields
 from easerve_operator.reconcile.kube import Kube
 
 PROGRESS_EVERY_S = 2.0
@@ -71,23 +73,7 @@ class _Abort(Exception):
 
 
 # ------------------------------------------------------------------------------------ identity
-def fingerprint(spec: EPDDeploymentSpec) -> str:
-    """The search's inputs: the spec without the searched dimensions and the SM partition."""
-    wire = spec.wire()
-    wire.pop("allocation", None)
-    wire.get("encode", {}).pop("batchBound", None)
-    wire.get("offload", {}).pop("ratio", None)
-    wire.get("smPartition", {}).pop("mode", None)
-    wire.get("smPartition", {}).pop("staticEncodeSms", None)
-    return hashlib.sha256(json.dumps(wire, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def partition(spec: EPDDeploymentSpec) -> str:
-    """The partition the search's s < 1 trials run with (``tuning.space.apply_candidate``:
-    ``none`` becomes ``dynamic``; ``static`` keeps its encode SMs)."""
-    if spec.sm_partition.mode == PartitionMode.STATIC:
-        return f"static:{spec.sm_partition.static_encode_sms}"
-    return PartitionMode.DYNAMIC.value
+# fingerprint / partition: the search's identity, shared with ``reconcile.effective`` (pure)
 
 
 def needs_search(spec: EPDDeploymentSpec, done: dict[str, Any] | None) -> bool:
@@ -131,6 +117,7 @@ def trial_runner(
             "spec.tuning.trials is cluster, but no Prometheus is known to score the trials: set "
             "spec.observability.prometheusUrl, or the operator's --prometheus-url (chart: monitoring.prometheusUrl)"
         )
+    from easerve_operator.reconcile.handlers import render_with_defaults
     from easerve_operator.tuning.prometheus import PrometheusScorer
     from easerve_operator.tuning.records import RecordStore
     from easerve_operator.tuning.runners.kube import KubeRunner, KubeTrialCluster
@@ -145,6 +132,7 @@ def trial_runner(
         scorer_for=lambda trial: PrometheusScorer(url, {"namespace": namespace, PROMETHEUS_TRIAL_LABEL: trial}),
         first_trial=done + 1,
         report_dir=directory / "trials",
+        render=render_with_defaults,  # the operator-wide defaults, as the deployment's own children
     )
     return runner, url
 
@@ -154,9 +142,12 @@ def search(
     directory: Path,
     on_progress: Callable[[Any, list[Any]], None] | None = None,
     runner: Any = None,
+    profiler: Any = None,
 ) -> tuple[Any, int]:
     """Run (or resume) HAS for ``spec``, recording trials under ``directory``; the trials run on
-    ``runner`` (default: the twin's).
+    ``runner`` (default: the twin's), Stage 1 asks ``profiler`` (default: the twin's). With a
+    ``SearchReporter`` as ``on_progress``, the phase and the current trial reach status as they
+    change.
 
     Returns ``(TuningResult, trials recovered from the records)``. Records of another search in
     the directory (the spec changed while the operator was down) are moved aside, not mixed in.
@@ -168,15 +159,19 @@ def search(
     from easerve_operator.tuning.space import space_for
 
     rate = float(spec.tuning.target_rate or 1.0)
-    profiler = SimStageProfiler(spec, rate=rate)
-    space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp())
+    twin = SimStageProfiler(spec, rate=rate)
+    space = space_for(spec, twin.min_tp(), local_tp=twin.local_prefill_tp())
     store = RecordStore(directory)
+    trials = runner if runner is not None else SimRunner()
+    stage1 = profiler if profiler is not None else twin
+    if isinstance(on_progress, SearchReporter):
+        trials, stage1 = on_progress.runner(trials), on_progress.profiler(stage1)
 
     def run() -> Any:
         return tune(
             spec,
-            runner=runner if runner is not None else SimRunner(),
-            profiler=profiler,
+            runner=trials,
+            profiler=stage1,
             space=space,
             rate=rate,
             objective=spec.tuning.objective,
@@ -197,13 +192,28 @@ def search(
         return run(), 0
 
 
-def result_status(result: Any, fp: str, part: str, started: str, resumed: int, budget: int) -> TuningStatus:
-    """``TuningResult`` -> the typed ``status.tuning`` of a finished search."""
+def result_status(
+    result: Any,
+    fp: str,
+    part: str,
+    started: str,
+    resumed: int,
+    budget: int,
+    applies: list[str] | None = None,
+    details: list[dict[str, Any]] | None = None,
+) -> TuningStatus:
+    """``TuningResult`` -> the typed ``status.tuning`` of a finished search: ``Deploying`` when its
+    values fill fields the spec leaves unset (``applies``), else ``Ready`` (a recommendation)."""
     s = result.summary()
     best = s.get("best")
     stage1 = s.get("stage1")
+    message = None
+    if best is None:  # every trial failed: nothing to apply or recommend
+        errors = [r.error for r in result.trials if r.error]
+        message = f"no trial was measured ({len(result.trials)} failed)" + (f"; last: {errors[-1]}" if errors else "")
     return TuningStatus(
-        state=TuningState.SUCCEEDED,
+        state=TuningState.SUCCEEDED if best is not None else TuningState.FAILED,
+        message=message,
         fingerprint=fp,
         partition=part,
         started_at=started,
@@ -219,6 +229,9 @@ def result_status(result: Any, fp: str, part: str, started: str, resumed: int, b
         n_trials=s["n_trials"],
         stage1=None if stage1 is None else Stage1Summary.model_validate(stage1),
         device_s=s["device_s"],
+        phase=(TuningPhase.FAILED if best is None else TuningPhase.DEPLOYING if applies else TuningPhase.READY),
+        applies=list(applies or []),
+        trials_detail=details,
     )
 
 
@@ -236,8 +249,63 @@ def _enabled(spec: kopf.Spec, **_: Any) -> bool:
     return bool((spec.get("tuning") or {}).get("enabled"))
 
 
-class _Progress:
-    """``on_trial`` callback: aborts when the daemon stops or the spec changes, and reports progress."""
+def candidate_label(spec: EPDDeploymentSpec) -> str:
+    """How a trial's candidate reads in status: ``2E-1P(tp2)-2D(tp2) B=8 s=0.5``."""
+    return f"{spec.allocation.label()} B={spec.encode.batch_bound} s={spec.offload.ratio:g}"
+
+
+def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> dict[str, Any]:
+    """One finished trial for ``status.tuning.trialsDetail``: its candidate and metrics, where they came
+    from, and (cluster trials) the load Job's own figures and the cross-check beside them."""
+    c = rec.candidate
+    d: dict[str, Any] = {
+        "trial": rec.number + 1,  # 1-based, as currentTrial and the cluster trials' names (<name>-t<n>)
+        "candidate": f"{c.alloc.label} B={c.batch_bound} s={c.offload_ratio:g}",
+        "state": "cached" if rec.cached else rec.state,
+        "value": rec.value,
+    }
+    m = rec.metrics
+    if m is not None:
+        d["metrics"] = {
+            "throughput": m.throughput, "ttftMean": m.ttft_mean, "ttftP99": m.ttft_p99,
+            "tpotMean": m.tpot_mean, "goodput": dict(m.goodput), "completed": m.completed,
+        }
+    if rec.error:
+        d["error"] = str(rec.error)[:300]
+    if rec.cached:
+        d["metricsSource"] = "cache"
+    elif last is not None and last.get("metrics_source") == "prometheus":
+        k = float(last.get("time_scale", 1.0))
+        job = last.get("job_report") or {}
+        d["metricsSource"] = "prometheus"
+        d["cluster"] = {
+            "name": last.get("name"),
+            "timeScale": k,
+            "rerun": bool(last.get("rerun")),
+            "recovered": bool(last.get("recovered")),
+            "phasesS": {p: round(float(v), 2) for p, v in (last.get("phases_s") or {}).items()},
+            "job": {
+                "throughput": None if job.get("throughput") is None else float(job["throughput"]) / k,
+                "goodput": {t: float(v) / k for t, v in (job.get("goodput") or {}).items()},
+                "completed": job.get("completed"),
+                "failed": job.get("failed"),
+            },
+            "crosscheck": {
+                "ratios": (last.get("crosscheck") or {}).get("ratios"),
+                "within3pct": (last.get("crosscheck") or {}).get("within_3pct"),
+            },
+        }
+    else:
+        d["metricsSource"] = "twin" if trials_on == TrialBackend.TWIN else str(trials_on)
+    return d
+
+
+class SearchReporter:
+    """Reports a search to ``status.tuning`` as it goes, and aborts it when the daemon stops or the
+    spec changes (``on_trial`` callback of ``tune``). It wraps the search's runner and profiler
+    (``runner()``, ``profiler()``) to see the phase change and each trial start: ``phase`` goes
+    Profiling -> Tuning, ``currentTrial`` names the trial running now, ``etaSeconds`` bounds the time
+    left (the mean trial so far times the budget left)."""
 
     def __init__(
         self,
@@ -245,9 +313,16 @@ class _Progress:
         running: TuningStatus,
         body: Mapping[str, Any],
         stopped: Stopped,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.write, self.running, self.body, self.stopped = write, running, body, stopped
+        self.clock = clock
         self.last = 0.0
+        self.started_trials = 0
+        self.trial_s: list[float] = []
+        self._t_trial: float | None = None
+        self.details: list[dict[str, Any]] = []
+        self._runner: Any = None
 
     def _same_search(self) -> bool:
         try:
@@ -258,18 +333,84 @@ class _Progress:
             spec.sm_partition.mode == PartitionMode.NONE or partition(spec) == self.running.partition
         )
 
-    def __call__(self, rec: Any, records: list[Any]) -> None:
+    def _check(self) -> None:
         if self.stopped or not self._same_search():
             raise _Abort()
-        now = time.monotonic()
-        if now - self.last < PROGRESS_EVERY_S:
-            return
-        self.last = now
+
+    def _eta(self, done: int) -> float | None:
+        budget = self.running.budget or 0
+        if not self.trial_s:
+            return None
+        return round(sum(self.trial_s) / len(self.trial_s) * max(0, budget - done), 1)
+
+    def _push(self, force: bool = False, **update: Any) -> None:
+        self.running = self.running.model_copy(update=update)
+        now = self.clock()
+        if force or now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            self.write(self.running)
+
+    # -------------------------------------------------------------- hooks
+    def profiling(self) -> None:
+        self._check()
+        if self.running.phase != TuningPhase.PROFILING:
+            self._push(force=True, phase=TuningPhase.PROFILING)
+
+    def trial_started(self, spec: EPDDeploymentSpec) -> None:
+        self._check()
+        self.started_trials += 1
+        self._t_trial = self.clock()
+        n = (self.running.trials or 0) + 1
+        self._push(force=True, phase=TuningPhase.TUNING, current_trial=f"{n}: {candidate_label(spec)}")
+
+    def __call__(self, rec: Any, records: list[Any]) -> None:
+        if self._t_trial is not None and not rec.cached:
+            self.trial_s.append(self.clock() - self._t_trial)
+            self._t_trial = None
+        last = getattr(self._runner, "last", None) if not rec.cached else None
+        self.details.append(trial_detail(rec, last if isinstance(last, Mapping) else None, self.running.trials_on or ""))
+        self._check()
         vals = [r.value for r in records if r.ok and not r.cached]
-        self.running = self.running.model_copy(
-            update={"trials": len(vals), "best_so_far": max(vals) if vals else None}
+        done = len([r for r in records if not r.cached])
+        self._push(
+            trials=done, best_so_far=max(vals) if vals else None, eta_seconds=self._eta(done),
+            trials_detail=list(self.details), current_trial=None,
         )
-        self.write(self.running)
+
+    # -------------------------------------------------------------- wrappers
+    def runner(self, runner: Any) -> Any:
+        self._runner = runner
+        return _ReportedRunner(runner, self)
+
+    def profiler(self, profiler: Any) -> Any:
+        return _ReportedProfiler(profiler, self)
+
+
+class _ReportedRunner:
+    def __init__(self, inner: Any, reporter: SearchReporter) -> None:
+        self.inner, self.reporter = inner, reporter
+
+    def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> Any:
+        self.reporter.trial_started(spec)
+        return self.inner.run_trial(spec, rate, requests, seed)
+
+
+class _ReportedProfiler:
+    """The Stage-1 profiler; its first capacity question marks the Profiling phase."""
+
+    def __init__(self, inner: Any, reporter: SearchReporter) -> None:
+        self.inner, self.reporter = inner, reporter
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self.inner, name)
+        if name in ("encode_throughput", "prefill_capacity", "decode_capacity", "local_prefill_efficiency"):
+
+            def probe(*a: Any, **kw: Any) -> Any:
+                self.reporter.profiling()
+                return attr(*a, **kw)
+
+            return probe
+        return attr
 
 
 class StatusWriter(Protocol):
@@ -335,6 +476,10 @@ def run_daemon(
             continue
         current = finished or (body.get("status") or {}).get("tuning") or {}
         if not needs_search(spec, current):
+            if deployed(current, body):
+                ready = TuningStatus.model_validate(current).model_copy(update={"phase": TuningPhase.READY})
+                write(ready)
+                finished = ready.wire()
             stopped.wait(5)
             continue
         fp, part = fingerprint(spec), partition(spec)
@@ -342,21 +487,26 @@ def run_daemon(
         started = started or _now()
         budget = spec.tuning.trial_budget
         directory = records_dir(namespace, name, uid, spec)
-        running = TuningStatus(
-            state=TuningState.RUNNING, fingerprint=fp, partition=part, started_at=started, trials=0, budget=budget
-        )
         trials_on = str(spec.tuning.trials)
-        running = running.model_copy(update={"trials_on": trials_on})
+        applies = unset_fields(dict(body.get("spec") or {}))
+        running = TuningStatus(
+            state=TuningState.RUNNING, fingerprint=fp, partition=part, started_at=started, trials=0, budget=budget,
+            trials_on=trials_on, phase=TuningPhase.PROFILING, applies=applies,
+        )
         write(running)
         prometheus: str | None = None
+        reporter = SearchReporter(write, running, body, stopped)
+        t0 = time.monotonic()
         try:
             runner, prometheus = make_runner(spec, namespace, name, uid, directory)
-            result, resumed = search(spec, directory, _Progress(write, running, body, stopped), runner=runner)
+            reporter.running = reporter.running.model_copy(update={"prometheus_url": prometheus})
+            result, resumed = search(spec, directory, reporter, runner=runner)
         except _Abort:
             logger.info("tuning search interrupted (operator stopping or spec changed)")
             continue
         except Exception as exc:  # noqa: BLE001 - report any failure of the search in status
             logger.exception("tuning search failed")
+            metrics.SEARCHES.labels(outcome="failed").inc()
             failed = TuningStatus(
                 state=TuningState.FAILED,
                 fingerprint=fp,
@@ -367,14 +517,41 @@ def run_daemon(
                 message=f"{type(exc).__name__}: {exc}",
                 trials_on=trials_on,
                 prometheus_url=prometheus,
+                phase=TuningPhase.FAILED,
+                applies=applies,
+                trials_detail=reporter.details or None,
             )
             write(failed)
             finished = failed.wire()
             continue
-        done = result_status(result, fp, part, started, resumed, budget).model_copy(
+        for r in result.trials:
+            metrics.TRIALS.labels(outcome="cached" if r.cached else r.state, trials_on=trials_on).inc()
+        metrics.SEARCH_SECONDS.observe(time.monotonic() - t0)
+        done = result_status(result, fp, part, started, resumed, budget, applies, reporter.details).model_copy(
             update={"trials_on": trials_on, "prometheus_url": prometheus}
         )
+        metrics.SEARCHES.labels(outcome=str(done.state).lower()).inc()
         logger.info("tuning done (%d trials, %d resumed): %s", done.n_trials or 0, resumed,
                     json.dumps(done.wire().get("best"))[:300])
         write(done)
         finished = done.wire()
+
+
+def deployed(tuning: Mapping[str, Any], body: Mapping[str, Any]) -> bool:
+    """A finished search in ``Deploying`` whose values now serve: the deployment is Ready and
+    ``status.effective`` shows this search's values on every field it tuned."""
+    if tuning.get("phase") != TuningPhase.DEPLOYING or tuning.get("state") != TuningState.SUCCEEDED:
+        return False
+    status = body.get("status") or {}
+    if status.get("phase") != "Ready" or status.get("observedGeneration") != (body.get("metadata") or {}).get(
+        "generation", status.get("observedGeneration")
+    ):
+        return False
+    eff = status.get("effective") or {}
+    src = eff.get("sources") or {}
+    best = tuning.get("best") or {}
+    if "tuned" not in src.values():
+        return False
+    pairs = (("allocation", "allocationLabel", "allocation"), ("encode.batchBound", "batchBound", "batchBound"),
+             ("offload.ratio", "offloadRatio", "offloadRatio"))
+    return all(src.get(f) != "tuned" or eff.get(e) == best.get(b) for f, e, b in pairs)

@@ -87,6 +87,7 @@ from easerve_runtime.api.status import (
     Reason,
     StagesStatus,
     StageStatus,
+    TuningPhase,
     TuningState,
     TuningStatus,
 )
@@ -154,6 +155,7 @@ __all__ = [
     "TIER_NAMES",
     "TuningSpec",
     "AdaptSpec",
+    "TuningPhase",
     "TuningState",
     "TuningStatus",
     "VERSION",

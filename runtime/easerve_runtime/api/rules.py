@@ -6,7 +6,7 @@ admission webhook, the reconciler and the CLI report the same message verbatim.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -96,6 +96,10 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
             )
         )
     s = spec.offload.ratio
+    if tuning_chooses(spec, "offload", "ratio"):
+        # s is left to HAS (spec.tuning.enabled, offload.ratio unset): the rules that read s run on
+        # the resolved spec, once the tuned value fills it in (operator: reconcile.effective)
+        return errs + engine_errors(spec) + _static_errors(spec)
     if s > 0 and a.prefill.replicas < 1:
         errs.append(
             SpecError("spec.offload.ratio", f"is {s} but spec.allocation.prefill.replicas is 0: nothing to offload to")
@@ -109,10 +113,25 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
                 f"is {spec.sm_partition.mode} but spec.offload.ratio is 1: no local prefill shares the encode GPU",
             )
         )
+    return errs + _static_errors(spec) + engine_errors(spec)
+
+
+def _static_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
     if spec.sm_partition.mode == PartitionMode.STATIC and spec.sm_partition.static_encode_sms is None:
-        errs.append(SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static"))
-    errs += engine_errors(spec)
-    return errs
+        return [SpecError("spec.smPartition.staticEncodeSms", "is required when spec.smPartition.mode is static")]
+    return []
+
+
+def tuning_chooses(spec: EPDDeploymentSpec, *path: str) -> bool:
+    """Whether HAS fills the field at ``path`` (snake_case): tuning is on and the spec leaves it unset."""
+    if not spec.tuning.enabled:
+        return False
+    obj: Any = spec
+    for p in path:
+        if p not in obj.model_fields_set:
+            return True
+        obj = getattr(obj, p)
+    return False
 
 
 def engine_errors(spec: EPDDeploymentSpec) -> list[SpecError]:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field
 
@@ -41,6 +41,7 @@ class Reason(StrEnum):
     INVALID_SPEC = "InvalidSpec"  # the spec (or metadata.name) breaks a rule; nothing was created
     INSUFFICIENT_CAPACITY = "InsufficientCapacity"  # pods cannot be scheduled (e.g. GPUs)
     APPLY_FAILED = "ApplyFailed"  # the API server refused a child
+    TUNING = "Tuning"  # a HAS search chooses values the spec leaves unset; nothing deployed until it ends
     AS_EXPECTED = "AsExpected"
 
 
@@ -53,6 +54,7 @@ class Situation(StrEnum):
     INVALID_SPEC = "the spec breaks a rule"
     APPLY_FAILED = "the API server refused a child"
     UNSCHEDULABLE = "pods cannot be scheduled (e.g. GPUs)"
+    TUNING = "the first HAS search chooses values the spec leaves unset"
     PROGRESSING = "creating, or rolling out a change"
     READY = "every stage ready at the current generation"
 
@@ -112,6 +114,14 @@ CONDITIONS: dict[Situation, Row] = {
         (True, Reason.PODS_NOT_READY, _W),
         (True, Reason.INSUFFICIENT_CAPACITY, _P),
     ),
+    Situation.TUNING: _row(
+        Phase.PROGRESSING,
+        (False, Reason.TUNING, _W),
+        (True, Reason.TUNING, _W),
+        (False, Reason.AS_EXPECTED, _N),
+        (True, Reason.TUNING, _W),
+        (False, Reason.AS_EXPECTED, _N),
+    ),
     Situation.PROGRESSING: _row(
         Phase.PROGRESSING,
         (False, Reason.PODS_NOT_READY, _W),
@@ -168,19 +178,37 @@ class StagesStatus(Model):
 
 
 class EffectiveConfig(Model):
-    """The (allocation, B, s) actually deployed, and where it came from."""
+    """The (allocation, B, s, SM partition) actually deployed, and where each value came from."""
 
     allocation: Allocation
     allocation_label: str = Field(description="Compact E/P/D label, e.g. 2E-1P(tp2)-2D(tp2).")
     batch_bound: int
     offload_ratio: float
-    source: Literal["spec", "tuning"] = "spec"
+    sm_partition: str | None = Field(default=None, description="SM partition mode in force.")
+    source: Literal["spec", "tuning"] = Field(
+        default="spec", description="tuning when any value below came from the HAS search."
+    )
+    sources: dict[str, Literal["spec", "tuned", "default"]] = Field(
+        default_factory=dict,
+        description="Per searched field (allocation, encode.batchBound, offload.ratio, smPartition.mode): "
+        "spec (written in the manifest), tuned (status.tuning's result fills the unset field) or default.",
+    )
 
 
 # ------------------------------------------------------------------------------------ tuning
 class TuningState(StrEnum):
     RUNNING = "Running"
     SUCCEEDED = "Succeeded"
+    FAILED = "Failed"
+
+
+class TuningPhase(StrEnum):
+    """Where a search is: Profiling, Tuning (trials), Deploying (tuned values roll out), Ready, Failed."""
+
+    PROFILING = "Profiling"
+    TUNING = "Tuning"
+    DEPLOYING = "Deploying"
+    READY = "Ready"
     FAILED = "Failed"
 
 
@@ -257,6 +285,21 @@ class TuningStatus(Model):
         default=None, description="Where the trials ran: twin (predicted) or cluster (measured, scored from Prometheus)."
     )
     prometheus_url: str | None = Field(default=None, description="The Prometheus that scored cluster trials.")
+    phase: TuningPhase | None = Field(default=None, description="Profiling, Tuning, Deploying, Ready or Failed.")
+    current_trial: str | None = Field(
+        default=None, description="The trial running now: its number and candidate, e.g. 3: 2E-1P(tp2)-2D(tp2) B=8 s=0.5."
+    )
+    eta_seconds: float | None = Field(
+        default=None, description="Upper bound on the search's remaining time: the mean trial so far times the budget left."
+    )
+    applies: list[str] | None = Field(
+        default=None, description="Fields the search's result fills in (unset in the spec); empty: a recommendation only."
+    )
+    trials_detail: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="Per trial: its candidate, metrics and where they came from (prometheus, with the load "
+        "Job's own report beside them, or twin).",
+    )
 
 
 class EPDDeploymentStatus(Model):

@@ -22,6 +22,20 @@ One trial, in order (``KubeRunner.run_trial``):
    within 3 %). Both stay in ``last`` and, with ``report_dir``, in ``trial-<n>.json``.
 5. **teardown**: delete everything labelled with the trial (also after a failure).
 
+**Sped-up sim pods** (``EASERVE_SIM_SPEEDUP = k`` in ``spec.pod.env``, engine ``sim``): every modelled
+latency runs k times faster, so the trial runs the same system with time compressed by k. The runner
+makes that exact: the pods and the load Job get the SLO tiers divided by k, the load runs at k·Λ (the
+same seeded requests, arrivals k times closer; a trace's timestamps divided by k), and every figure is
+mapped back (throughput and goodput / k, latencies · k) before the search sees it. ``time_scale`` in the
+trial's record says which k; the raw real-time figures stay beside the mapped ones.
+
+**Killed mid-trial** (the operator restarts while trial n runs): ``trial-<n>.json`` is written when the
+trial starts (``state: running``) and when it ends. A resumed search numbers its next trial after the
+recorded ones, so it asks for trial n again: a trial cut off mid-run is rerun once, marked
+``rerun: true`` (cut off a second time, it fails, and the search goes on); a trial that finished but was
+not yet recorded by the search (killed in between) is not rerun: its measurement is returned from the
+file, marked ``recovered: true``, when it was measured for the same candidate.
+
 The cluster is reached only through ``TrialCluster``, five calls wide, so the runner's logic is
 tested against a fake; ``KubeTrialCluster`` implements it on the kubernetes client. Time goes
 through injected ``clock`` / ``sleep``. Phase durations (roll-out, warm-up, measure, teardown)
@@ -30,6 +44,7 @@ are recorded per trial.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import time
@@ -49,6 +64,7 @@ LOAD_MOUNT = "/etc/easerve-load"
 DEFAULT_READY_TIMEOUT_S = 600.0
 DEFAULT_WARMUP_FRACTION = 0.1
 CROSSCHECK_TOLERANCE = 0.03
+SPEEDUP_ENV = "EASERVE_SIM_SPEEDUP"
 
 
 class TrialFailed(RuntimeError):
@@ -116,11 +132,22 @@ def _label(obj: dict[str, Any], extra: Mapping[str, str]) -> None:
         tmpl.setdefault("metadata", {}).setdefault("labels", {}).update(extra)
 
 
+Render = Callable[[str, str, str, EPDDeploymentSpec], list[dict[str, Any]]]
+
+
 def render_trial(
-    deployment: str, namespace: str, uid: str | None, n: int, spec: EPDDeploymentSpec
+    deployment: str,
+    namespace: str,
+    uid: str | None,
+    n: int,
+    spec: EPDDeploymentSpec,
+    render: Render = render_children,
 ) -> list[dict[str, Any]]:
-    """Trial ``n``'s children: the deployment's own rendering under the trial name, labelled."""
-    objs = render_children(trial_name(deployment, n), namespace, uid or "", spec)
+    """Trial ``n``'s children: the deployment's own rendering under the trial name, labelled.
+
+    ``render`` is the renderer the deployment's own children go through (the operator's fills in
+    its operator-wide defaults, e.g. the discovery etcd), so a trial runs exactly what would run."""
+    objs = render(trial_name(deployment, n), namespace, uid or "", spec)
     for o in objs:
         _label(o, trial_labels(deployment, n))
         meta = o["metadata"]
@@ -129,6 +156,66 @@ def render_trial(
         else:
             meta.pop("ownerReferences", None)
     return objs
+
+
+def time_scale(spec: EPDDeploymentSpec) -> float:
+    """k: how much faster than modelled the trial's pods run (the sim engine's speed-up), else 1."""
+    if str(spec.engine.backend) != "sim":
+        return 1.0
+    for e in spec.pod.env or []:
+        if e.name == SPEEDUP_ENV and e.value:
+            k = float(e.value)
+            if not k > 0 or math.isinf(k):
+                raise ValueError(f"spec.pod.env {SPEEDUP_ENV}={e.value!r}: must be a positive finite number")
+            return k
+    return 1.0
+
+
+def compressed(spec: EPDDeploymentSpec, k: float) -> EPDDeploymentSpec:
+    """The spec the sped-up pods and the load Job run: SLO bounds divided by ``k``."""
+    if k == 1.0:
+        return spec
+    tiers = [t.model_copy(update={"ttft_seconds": t.ttft_seconds / k, "tpot_ms": t.tpot_ms / k}) for t in spec.slo.tiers]
+    return spec.model_copy(update={"slo": spec.slo.model_copy(update={"tiers": tiers})})
+
+
+def expanded(m: TrialMetrics, k: float) -> TrialMetrics:
+    """Real-time figures of a sped-up trial back in the model's time (see the module docstring)."""
+    if k == 1.0:
+        return m
+
+    def lat(v: float | None) -> float | None:
+        return None if v is None else v * k
+
+    return TrialMetrics(
+        throughput=m.throughput / k,
+        ttft_mean=m.ttft_mean * k,
+        tpot_mean=m.tpot_mean * k,
+        goodput={t: v / k for t, v in m.goodput.items()},
+        ttft_p99=lat(m.ttft_p99),
+        tpot_p99=lat(m.tpot_p99),
+        completed=m.completed,
+        cost_s=m.cost_s,
+    )
+
+
+def compress_trace(trace: str, k: float) -> str:
+    """A JSONL trace with its arrival times divided by ``k``."""
+    if k == 1.0:
+        return trace
+    out = []
+    for line in trace.splitlines():
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        row["arrival_s"] = float(row["arrival_s"]) / k  # workload.trace's one time field
+        out.append(json.dumps(row))
+    return "\n".join(out) + "\n"
+
+
+def candidate_digest(spec: EPDDeploymentSpec) -> str:
+    """Which candidate a trial measured (its full spec)."""
+    return hashlib.sha256(json.dumps(spec.wire(), sort_keys=True).encode()).hexdigest()[:16]
 
 
 def frontend_service(objs: list[dict[str, Any]]) -> str:
@@ -241,8 +328,10 @@ def crosscheck(prom: Mapping[str, Any], job: Mapping[str, Any]) -> dict[str, Any
     ratios: dict[str, float | None] = {}
 
     def ratio(a: float | None, b: float | None) -> float | None:
-        if a is None or b is None or b == 0:
+        if a is None or b is None:
             return None
+        if b == 0:
+            return 1.0 if a == 0 else None  # both saw no good request: they agree
         return float(a) / float(b)
 
     ratios["throughput"] = ratio(prom.get("throughput"), job.get("throughput"))
@@ -276,6 +365,7 @@ class KubeRunner:
     first_trial: int = 1
     report_dir: Path | None = None
     frontend_url: Callable[[str, str], str] | None = None
+    render: Render = render_children
     clock: Callable[[], float] = time.time
     sleep: Callable[[float], None] = time.sleep
 
@@ -296,12 +386,31 @@ class KubeRunner:
         self.next_trial += 1
         name = trial_name(self.deployment, n)
         labels = trial_labels(self.deployment, n)
-        rec: dict[str, Any] = {"trial": n, "name": name, "phases_s": {}}
+        digest = candidate_digest(spec)
+        prev = self._read(n)
+        if prev is not None and prev.get("state") == "done" and prev.get("digest") == digest and prev.get("metrics"):
+            rec = {**prev, "recovered": True}  # measured before a kill, never recorded by the search
+            self.last = rec
+            self.history.append(rec)
+            self._write(rec)
+            return TrialMetrics.from_dict(rec["metrics"])
+        reruns = int(prev.get("reruns", 0)) + 1 if prev is not None and prev.get("state") == "running" else 0
+        k = time_scale(spec)
+        rec: dict[str, Any] = {
+            "trial": n, "name": name, "state": "running", "digest": digest, "phases_s": {},
+            "rerun": reruns > 0, "reruns": reruns, "time_scale": k,
+        }
         self.last = rec
         t0 = self.clock()
         try:
-            return self._run(n, name, spec, rate, requests, seed, rec, t0)
+            if reruns > 1:
+                raise TrialFailed(f"trial {n} ({name}) was cut off twice (operator restarts); not run again")
+            self._write(rec)
+            metrics = self._run(n, name, spec, rate, requests, seed, rec, t0)
+            rec["state"], rec["metrics"] = "done", metrics.to_dict()
+            return metrics
         except Exception as exc:
+            rec["state"] = "failed"
             rec["error"] = f"{type(exc).__name__}: {exc}"
             raise
         finally:
@@ -323,8 +432,10 @@ class KubeRunner:
         t0: float,
     ) -> TrialMetrics:
         ph = rec["phases_s"]
+        k = float(rec.get("time_scale", 1.0))
+        run_spec = compressed(spec, k)
         self.cluster.delete_labelled(self.namespace, trial_labels(self.deployment, n))  # left-overs
-        objs = render_trial(self.deployment, self.namespace, self.uid, n, spec)
+        objs = render_trial(self.deployment, self.namespace, self.uid, n, run_spec, self.render)
         for o in objs:
             self.cluster.apply(o)
         deployments = [o["metadata"]["name"] for o in objs if o["kind"] == "Deployment"]
@@ -339,20 +450,20 @@ class KubeRunner:
             self.sleep(self.poll_s)
         ph["rollout"] = self.clock() - t0
 
-        expected = requests / rate
+        expected = requests / (rate * k)
         load = render_load(
             self.deployment,
             self.namespace,
             self.uid,
             n,
-            spec,
+            run_spec,
             image=trial_image(objs),
             url=self._url(frontend_service(objs)),
-            rate=rate,
+            rate=rate * k,
             requests=requests,
             seed=seed,
             deadline_s=int(math.ceil(3 * expected + 300)),
-            trace=self.trace,
+            trace=None if self.trace is None else compress_trace(self.trace, k),
         )
         job = load[-1]["metadata"]["name"]
         t1 = self.clock()
@@ -383,21 +494,40 @@ class KubeRunner:
         scorer = self.scorer_for(name)
         figures = scorer.score(start + warm, end, idle_before_start=False, drained_at_end=True)
         whole = scorer.score(start, end, idle_before_start=True, drained_at_end=True)
+        for f in (figures, whole):  # a tier no request met has no series yet: its goodput is 0
+            for t in spec.slo.tiers:
+                f.goodput.setdefault(t.name, 0.0)
         rec["prometheus"] = figures.to_dict()
         rec["crosscheck"] = {
             "prometheus_whole_run": whole.to_dict(),
             **crosscheck(whole.to_dict(), report),
         }
         rec["metrics_source"] = "prometheus"
-        metrics: TrialMetrics = figures.to_trial_metrics(cost_s=self.clock() - t0)
+        metrics = expanded(figures.to_trial_metrics(cost_s=self.clock() - t0), k)
         return metrics
 
+    def _path(self, n: int) -> Path | None:
+        return None if self.report_dir is None else self.report_dir / f"trial-{n}.json"
+
+    def _read(self, n: int) -> dict[str, Any] | None:
+        path = self._path(n)
+        if path is None or not path.exists():
+            return None
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return None  # torn by a kill while writing: treat as cut off
+        return d if isinstance(d, dict) else None
+
     def _write(self, rec: dict[str, Any]) -> None:
-        if self.report_dir is None:
+        """Atomically (a kill never leaves half a file), so ``_read`` sees the last whole state."""
+        path = self._path(int(rec["trial"]))
+        if path is None:
             return
-        self.report_dir.mkdir(parents=True, exist_ok=True)
-        path = self.report_dir / f"trial-{rec['trial']}.json"
-        path.write_text(json.dumps(rec, indent=1, sort_keys=True, default=str))
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(rec, indent=1, sort_keys=True, default=str))
+        tmp.replace(path)
 
 
 # ------------------------------------------------------------------------------ cluster shell
@@ -471,7 +601,8 @@ class KubeTrialCluster:
         for lister, deleter in kinds:
             for item in lister(namespace, label_selector=sel).items:
                 try:
-                    deleter(item.metadata.name, namespace, propagation_policy="Background")
+                    # raw: the generated models of some client versions refuse the delete's V1Status
+                    deleter(item.metadata.name, namespace, propagation_policy="Background", _preload_content=False)
                     n += 1
                 except ApiException as exc:
                     if exc.status != 404:
