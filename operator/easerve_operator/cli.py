@@ -24,6 +24,7 @@ COMMANDS: dict[str, str] = {
     "bench": "easerve_runtime.cli.bench",
     "sim": "easerve_runtime.cli.sim",
     "profile-partition": "easerve_runtime.cli.profile_partition",
+    "profile-stage": "easerve_runtime.cli.profile_stage",
     "partition-controller": "easerve_runtime.cli.partition_controller",
     "calibrate-slo": "easerve_runtime.cli.calibrate_slo",
     "model": "easerve_runtime.cli.model",

@@ -11,6 +11,9 @@ To add a metric: define it in :class:`Metrics` below, document it in ``docs/metr
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 PREFIX = "easerve"
@@ -175,3 +178,43 @@ class Metrics:
     def exposition(self) -> str:
         """The Prometheus text exposition of this registry."""
         return generate_latest(self.registry).decode()
+
+
+def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float:
+    """Prometheus's ``histogram_quantile`` over cumulative bucket counts {upper bound: count}.
+
+    The rank q·total falls in one bucket (lower, upper]; the estimate interpolates linearly
+    inside it (the first bucket's lower bound is 0). A rank in the +Inf bucket returns the
+    largest finite bound, as Prometheus does. NaN when the histogram is empty.
+    """
+    if not 0.0 <= q <= 1.0:
+        raise ValueError(f"quantile must be in [0, 1], got {q}")
+    bounds = sorted(buckets)
+    if not bounds or not math.isinf(bounds[-1]):
+        raise ValueError("a histogram needs its +Inf bucket")
+    counts = [buckets[b] for b in bounds]
+    for i in range(1, len(counts)):  # monotone, as Prometheus enforces
+        counts[i] = max(counts[i], counts[i - 1])
+    total = counts[-1]
+    if total <= 0:
+        return math.nan
+    rank = q * total
+    i = next(k for k, c in enumerate(counts) if c >= rank)
+    if math.isinf(bounds[i]):
+        return bounds[-2] if len(bounds) > 1 else math.nan
+    lower = 0.0 if i == 0 else bounds[i - 1]
+    below = 0.0 if i == 0 else counts[i - 1]
+    in_bucket = counts[i] - below
+    if in_bucket <= 0:
+        return bounds[i]
+    return lower + (bounds[i] - lower) * (rank - below) / in_bucket
+
+
+def observed_quantile(values: Iterable[float], q: float, bounds: Sequence[float] = TTFT_BUCKETS) -> float:
+    """The ``q`` quantile of ``values`` as a scrape of one of our histograms reports it: the values
+    counted into ``bounds`` (``le``), then ``histogram_quantile``. A prediction (the twin) passed
+    through the measuring instrument compares like with like with a Prometheus figure."""
+    vs = sorted(values)
+    cum = {b: float(sum(1 for v in vs if v <= b)) for b in bounds}
+    cum[math.inf] = float(len(vs))
+    return histogram_quantile(q, cum)

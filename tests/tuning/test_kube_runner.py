@@ -92,6 +92,8 @@ class FakeCluster:
         return "failed" if self.job_fails else "succeeded"
 
     def job_logs(self, namespace: str, name: str) -> str:
+        if "-profile-" in name:
+            return twin_profile_log(self.objects[("Job", name)])
         if self.job_fails:
             return "Traceback: connection refused\n"
         start = self.job_started[name] + 2.0
@@ -106,6 +108,39 @@ class FakeCluster:
             "finished_at": end,
         }
         return "bench: starting\n" + json.dumps(rep, indent=1) + "\n"
+
+
+def twin_profile_log(job: dict[str, Any]) -> str:
+    """What the profiling Job prints, with the twin's capacities as its measurements (the fake runs
+    no process; the Job itself runs under the kubelet harness in tests/cluster)."""
+    import yaml
+    from easerve_operator.tuning.runners.sim import SimStageProfiler
+    from easerve_runtime.api import parse_spec
+
+    c = job["spec"]["template"]["spec"]["containers"][0]
+    args = c["args"]
+    arg = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
+    manifest = yaml.safe_load(json.dumps(_tuned_manifest(trials="cluster")))
+    tw = SimStageProfiler(parse_spec(manifest["spec"]), rate=2.0)
+    stage = arg["--stage"]
+    rep: dict[str, Any] = {"stage": stage, "backend": "sim", "time_scale": 1.0}
+    if stage == "encode":
+        b, rep["encode"] = 1, []
+        while b <= int(arg["--max-batch"]):
+            p = tw.encode_throughput(b)
+            rep["encode"].append({"batch": b, "value": p.value, "cost_s": p.cost_s})
+            b *= 2
+    else:
+        tps = [int(t) for t in arg["--tp"].split(",")]
+        fn = tw.prefill_capacity if stage == "prefill" else tw.decode_capacity
+        rep[stage] = {str(t): {"value": fn(t).value, "cost_s": fn(t).cost_s} for t in tps}
+        if stage == "prefill":
+            rep["local_ref"] = rep["prefill"][str(min(tps))]
+            rep["local"] = {
+                s: {"value": tw._inner.local_prefill_capacity(float(s)).value, "cost_s": 1.0}
+                for s in arg["--local-shares"].split(",")
+            }
+    return "profiling\n" + json.dumps(rep) + "\n"
 
 
 class SyntheticPrometheus:
@@ -395,8 +430,10 @@ def test_the_operator_daemon_runs_cluster_trials_scored_from_prometheus(tmp_path
     assert done["state"] == "Succeeded", done.get("message")
     assert done["trialsOn"] == "cluster" and done["prometheusUrl"] == "http://prom.monitoring:9090"
     assert done["best"] is not None and done["nTrials"] >= 1
-    jobs = [k for op, k in made[0].calls if op == "apply" and k[0] == "Job"]
+    jobs = [k for op, k in made[0].calls if op == "apply" and k[0] == "Job" and k[1].endswith("-load")]
     assert [name for _, name in jobs] == [f"llava-t{i}-load" for i in range(1, len(jobs) + 1)]
+    profiles = sorted(k[1] for op, k in made[0].calls if op == "apply" and k[0] == "Job" and "-profile-" in k[1])
+    assert profiles == ["llava-profile-decode", "llava-profile-encode", "llava-profile-prefill"]  # Stage 1 on the cluster
     assert len(jobs) == done["nTrials"] and set(urls) == {"http://prom.monitoring:9090"}
     assert made[0].objects == {}  # every trial torn down
     assert st.patches[0]["tuning"]["trialsOn"] == "cluster"  # said from the start

@@ -102,15 +102,17 @@ PROMETHEUS_TRIAL_LABEL = "epd_deployment"
 
 def trial_runner(
     spec: EPDDeploymentSpec, namespace: str, name: str, uid: str, directory: Path, prometheus_default: str | None
-) -> tuple[Any, str | None]:
-    """``(runner, prometheus url)`` for ``spec.tuning.trials``: the twin's, or one on this cluster.
+) -> tuple[Any, str | None, Any]:
+    """``(runner, prometheus url, profiler)`` for ``spec.tuning.trials``: the twin's, or on this cluster.
 
     A cluster runner numbers its trials after those already recorded in ``directory`` (a resumed
-    search never reuses a trial's name) and keeps each trial's report beside the records."""
+    search never reuses a trial's name) and keeps each trial's report beside the records; its
+    Stage 1 runs profiling Jobs (``runners.kube_profile``), their reports kept there too. The
+    profiler is a function of the search space (None: the twin's)."""
     from easerve_operator.tuning.runners.sim import SimRunner
 
     if spec.tuning.trials == TrialBackend.TWIN:
-        return SimRunner(), None
+        return SimRunner(), None, None
     url = spec.observability.prometheus_url or prometheus_default
     if not url:
         raise ValueError(
@@ -121,11 +123,22 @@ def trial_runner(
     from easerve_operator.tuning.prometheus import PrometheusScorer
     from easerve_operator.tuning.records import RecordStore
     from easerve_operator.tuning.runners.kube import KubeRunner, KubeTrialCluster
+    from easerve_operator.tuning.runners.kube_profile import ClusterStageProfiler
 
     store = RecordStore(directory)
     done = len(store.load()[2]) if store.exists() else 0
+    cluster = KubeTrialCluster()
+    rate = float(spec.tuning.target_rate or 1.0)
+
+    def profiler(space: Any) -> ClusterStageProfiler:
+        tps = sorted({a.prefill_tp for a in space.allocations} | {a.decode_tp for a in space.allocations})
+        return ClusterStageProfiler(
+            cluster, name, namespace, spec, rate=rate, tps=tps, max_batch=space.max_batch,
+            report_dir=directory / "profile", uid=uid, render=render_with_defaults,
+        )
+
     runner = KubeRunner(
-        cluster=KubeTrialCluster(),
+        cluster=cluster,
         deployment=name,
         namespace=namespace,
         uid=uid,
@@ -134,7 +147,7 @@ def trial_runner(
         report_dir=directory / "trials",
         render=render_with_defaults,  # the operator-wide defaults, as the deployment's own children
     )
-    return runner, url
+    return runner, url, profiler
 
 
 def search(
@@ -144,6 +157,8 @@ def search(
     runner: Any = None,
     profiler: Any = None,
 ) -> tuple[Any, int]:
+    # ``profiler``: a Stage-1 profiler, or a function of the search space that makes one (the
+    # cluster's profiling Jobs need the space's TPs and largest B)
     """Run (or resume) HAS for ``spec``, recording trials under ``directory``; the trials run on
     ``runner`` (default: the twin's), Stage 1 asks ``profiler`` (default: the twin's). With a
     ``SearchReporter`` as ``on_progress``, the phase and the current trial reach status as they
@@ -163,7 +178,7 @@ def search(
     space = space_for(spec, twin.min_tp(), local_tp=twin.local_prefill_tp())
     store = RecordStore(directory)
     trials = runner if runner is not None else SimRunner()
-    stage1 = profiler if profiler is not None else twin
+    stage1 = twin if profiler is None else profiler(space) if callable(profiler) else profiler
     if isinstance(on_progress, SearchReporter):
         trials, stage1 = on_progress.runner(trials), on_progress.profiler(stage1)
 
@@ -261,6 +276,7 @@ def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> di
     d: dict[str, Any] = {
         "trial": rec.number + 1,  # 1-based, as currentTrial and the cluster trials' names (<name>-t<n>)
         "candidate": f"{c.alloc.label} B={c.batch_bound} s={c.offload_ratio:g}",
+        "point": c.to_dict(),
         "state": "cached" if rec.cached else rec.state,
         "value": rec.value,
     }
@@ -277,7 +293,14 @@ def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> di
     elif last is not None and last.get("metrics_source") == "prometheus":
         k = float(last.get("time_scale", 1.0))
         job = last.get("job_report") or {}
+        whole = (last.get("crosscheck") or {}).get("prometheus_whole_run") or {}
+        ttft = whole.get("ttft") or {}
         d["metricsSource"] = "prometheus"
+        d["prometheusWholeRun"] = {  # the whole run, warm-up included: what the twin predicts
+            "throughput": None if whole.get("throughput") is None else float(whole["throughput"]) / k,
+            "ttftMean": None if ttft.get("mean") is None else float(ttft["mean"]) * k,
+            "ttftP99": None if (ttft.get("quantiles") or {}).get("p99") is None else float(ttft["quantiles"]["p99"]) * k,
+        }
         d["cluster"] = {
             "name": last.get("name"),
             "timeScale": k,
@@ -446,7 +469,7 @@ def run_daemon(
     name: str,
     uid: str,
     logger: logging.Logger = log,
-    make_runner: Callable[..., tuple[Any, str | None]] | None = None,
+    make_runner: Callable[..., tuple[Any, str | None, Any]] | None = None,
 ) -> None:
     """The daemon's loop: search when the spec asks for a search nobody finished, else wait.
 
@@ -457,7 +480,7 @@ def run_daemon(
     """
     if make_runner is None:
 
-        def make_runner(*args: Any) -> tuple[Any, str | None]:
+        def make_runner(*args: Any) -> tuple[Any, str | None, Any]:
             from easerve_operator.reconcile.handlers import OPTIONS
 
             return trial_runner(*args, OPTIONS.defaults.prometheus_url)
@@ -498,9 +521,9 @@ def run_daemon(
         reporter = SearchReporter(write, running, body, stopped)
         t0 = time.monotonic()
         try:
-            runner, prometheus = make_runner(spec, namespace, name, uid, directory)
+            runner, prometheus, profiler = make_runner(spec, namespace, name, uid, directory)
             reporter.running = reporter.running.model_copy(update={"prometheus_url": prometheus})
-            result, resumed = search(spec, directory, reporter, runner=runner)
+            result, resumed = search(spec, directory, reporter, runner=runner, profiler=profiler)
         except _Abort:
             logger.info("tuning search interrupted (operator stopping or spec changed)")
             continue

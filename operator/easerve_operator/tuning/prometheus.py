@@ -51,6 +51,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from easerve_runtime.metrics import histogram_quantile
+
 from easerve_operator.tuning.runners import TrialMetrics
 
 REQUESTS = "easerve_requests_total"
@@ -178,36 +180,6 @@ def increases(
         inc = counter_at(s, end, e_end) - counter_at(s, start, e_start)
         out.append((dict(labels), max(0.0, inc)))
     return out
-
-
-def histogram_quantile(q: float, buckets: Mapping[float, float]) -> float:
-    """Prometheus's ``histogram_quantile`` over cumulative bucket counts {upper bound: count}.
-
-    The rank q·total falls in one bucket (lower, upper]; the estimate interpolates linearly
-    inside it (the first bucket's lower bound is 0). A rank in the +Inf bucket returns the
-    largest finite bound, as Prometheus does. NaN when the histogram is empty.
-    """
-    if not 0.0 <= q <= 1.0:
-        raise ValueError(f"quantile must be in [0, 1], got {q}")
-    bounds = sorted(buckets)
-    if not bounds or not math.isinf(bounds[-1]):
-        raise ValueError("a histogram needs its +Inf bucket")
-    counts = [buckets[b] for b in bounds]
-    for i in range(1, len(counts)):  # monotone, as Prometheus enforces
-        counts[i] = max(counts[i], counts[i - 1])
-    total = counts[-1]
-    if total <= 0:
-        return math.nan
-    rank = q * total
-    i = next(k for k, c in enumerate(counts) if c >= rank)
-    if math.isinf(bounds[i]):
-        return bounds[-2] if len(bounds) > 1 else math.nan
-    lower = 0.0 if i == 0 else bounds[i - 1]
-    below = 0.0 if i == 0 else counts[i - 1]
-    in_bucket = counts[i] - below
-    if in_bucket <= 0:
-        return bounds[i]
-    return lower + (bounds[i] - lower) * (rank - below) / in_bucket
 
 
 def bucket_of(value: float, bounds: Iterable[float]) -> tuple[float, float]:

@@ -638,4 +638,5 @@ class KubeTrialCluster:
         if not pods:
             return ""
         pod = max(pods, key=lambda p: p.metadata.creation_timestamp)
-        return str(self.core.read_namespaced_pod_log(pod.metadata.name, namespace, container="load"))
+        container = pod.spec.containers[0].name  # a load or profiling Job's pod has one container
+        return str(self.core.read_namespaced_pod_log(pod.metadata.name, namespace, container=container))

@@ -93,20 +93,30 @@ class SimStageProfiler:
         p = self._inner.decode_capacity(tp)
         return Probe(float(p.value), float(p.cost_s))
 
+    def local_shares(self) -> tuple[float, float]:
+        """(busy, idle): the local prefill worker's SM share while a micro-batch encodes, and while the
+        encoder is idle, under the candidates' partition (the policy's decision, not a measurement)."""
+        from easerve_runtime.sim.shares import ShareModel
+
+        share, dilation = ShareModel(self._local_spec, self._inner.model, colocated=True).local_share(None, True)
+        return float(self._inner.local_share()), share / dilation
+
     def local_prefill_efficiency(self) -> float | None:
         busy = self._inner.local_prefill_efficiency()
         if busy is None or self.rate is None:
             return None if busy is None else min(1.0, max(0.0, float(busy)))
-        from easerve_runtime.sim.shares import ShareModel
-
-        share, dilation = ShareModel(self._local_spec, self._inner.model, colocated=True).local_share(
-            None, True
-        )
+        _, idle_share = self.local_shares()
         c_p = self._inner.prefill_capacity(self.min_tp()).value
-        idle_cap = self._inner.local_prefill_capacity(share / dilation).value
-        idle = idle_cap / c_p if c_p > 0 else 0.0
+        idle_cap = self._inner.local_prefill_capacity(idle_share).value
         c_e = self._inner.encode_capacity()[0]
-        u = min(1.0, self.rate / c_e) if c_e > 0 else 1.0
-        alpha = (1.0 - u) * idle + u * float(busy)
-        self.alpha_parts = {"busy": float(busy), "idle": idle, "encoder_duty": u, "alpha": alpha}
-        return min(1.0, max(0.0, alpha))
+        alpha, self.alpha_parts = duty_alpha(busy, idle_cap / c_p if c_p > 0 else 0.0, c_e, self.rate)
+        return alpha
+
+
+def duty_alpha(busy: float, idle: float, c_e: float, rate: float) -> tuple[float, dict[str, float]]:
+    """α over the encoder's duty cycle u = min(1, Λ / C_E): (1 − u)·α_idle + u·α_busy, clipped to
+    [0, 1] (see ``SimStageProfiler``); also the parts, for the report. The cluster's profiler
+    (``runners.kube_profile``) combines its measured shares the same way."""
+    u = min(1.0, rate / c_e) if c_e > 0 else 1.0
+    alpha = (1.0 - u) * idle + u * float(busy)
+    return min(1.0, max(0.0, alpha)), {"busy": float(busy), "idle": idle, "encoder_duty": u, "alpha": alpha}

@@ -1,0 +1,74 @@
+"""Does a cluster trial measure what the twin predicts? (issue 13, must-hold 3)
+
+On the local cluster the pods run the sim engine, so a trial and the twin's prediction for the same
+candidate and the same seeded requests must agree: throughput within 5 %, P99 TTFT within 10 %. The
+comparison is like with like:
+
+- the cluster side is Prometheus over the **whole run** (``trialsDetail[].prometheusWholeRun``), as
+  the twin reports the whole run; the trial's *score* cuts a warm-up off, which the twin does not;
+- the twin's P99 is passed through the measuring instrument (``metrics.observed_quantile``: the
+  twin's TTFTs counted into the runtime's TTFT buckets, then Prometheus's interpolation), since a
+  Prometheus percentile is resolved to its bucket (9 % wide) and the twin's is exact.
+
+Used by ``tests/cluster/test_tuning_cluster.py``, ``benchmarks/has_cluster.py`` and ``easerve up
+--tune``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from easerve_runtime.api import EPDDeploymentSpec
+
+from easerve_operator.tuning.space import Alloc, Candidate, apply_candidate
+
+THROUGHPUT_TOLERANCE = 0.05
+P99_TOLERANCE = 0.10
+
+
+def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> dict[str, float]:
+    """The twin's figures for ``spec`` on the search's seeded workload."""
+    from easerve_runtime.metrics import observed_quantile
+    from easerve_runtime.sim.runner import cached_model
+    from easerve_runtime.sim.systems import simulate_system
+    from easerve_runtime.workload.generate import generate
+
+    result = simulate_system(spec, generate(spec, rate, requests, seed), "easerve", cached_model(spec))
+    s = result.summary
+    ttfts = [r.ttft_s for r in result.records if r.ok]
+    return {
+        "throughput": float(s["throughput"]),
+        "ttftMean": float(s["ttft_mean"]),
+        "ttftP99": float(s["ttft_p99"]),
+        "ttftP99Observed": observed_quantile(ttfts, 0.99),
+    }
+
+
+def candidate_spec(spec: EPDDeploymentSpec, point: Mapping[str, Any]) -> EPDDeploymentSpec:
+    """The spec a trial ran (``trialsDetail[].point``)."""
+    c = Candidate(Alloc.from_dict(dict(point["alloc"])), int(point["batch_bound"]), float(point["offload_ratio"]))
+    return apply_candidate(spec, c)
+
+
+def trial_agreement(
+    spec: EPDDeploymentSpec, detail: Mapping[str, Any], rate: float, requests: int, seed: int = 1
+) -> dict[str, Any]:
+    """One cluster trial against the twin: both sides, their ratios and whether within the bars."""
+    twin = twin_prediction(candidate_spec(spec, detail["point"]), rate, requests, seed)
+    live = dict(detail.get("prometheusWholeRun") or {})
+
+    def ratio(a: Any, b: Any) -> float | None:
+        return None if a is None or not b else float(a) / float(b)
+
+    r = {
+        "throughput": ratio(live.get("throughput"), twin["throughput"]),
+        "ttftP99": ratio(live.get("ttftP99"), twin["ttftP99Observed"]),
+        "ttftMean": ratio(live.get("ttftMean"), twin["ttftMean"]),
+    }
+    ok = (
+        r["throughput"] is not None and abs(r["throughput"] - 1) <= THROUGHPUT_TOLERANCE
+        and r["ttftP99"] is not None and abs(r["ttftP99"] - 1) <= P99_TOLERANCE
+    )
+    return {"trial": detail.get("trial"), "candidate": detail.get("candidate"), "cluster": live, "twin": twin,
+            "ratios": r, "within": ok}
