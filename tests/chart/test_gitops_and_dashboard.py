@@ -63,10 +63,16 @@ def _exprs(dash: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def _exported_sample_names() -> set[str]:
+    """What the runtime's processes export, and what the operator exports (its default registry)."""
+    import prometheus_client
+    from easerve_operator.reconcile import metrics as operator_metrics  # registers the operator's
     from easerve_runtime.metrics import Metrics
 
+    del operator_metrics
     names: set[str] = set()
-    for fam in Metrics().registry.collect():
+    operator = [f for f in prometheus_client.REGISTRY.collect() if f.name.startswith("easerve_operator_")]
+    assert operator, "the operator's metrics are registered"
+    for fam in [*Metrics().registry.collect(), *operator]:
         if fam.type == "counter":
             names |= {f"{fam.name}_total"}
         elif fam.type == "histogram":
@@ -89,6 +95,9 @@ def test_dashboard_has_the_pipeline_panels() -> None:
         "ttft p99",
         "tpot p99",
         "goodput",
+        "operator reconciles",
+        "has trials by outcome",
+        "has searches",
     ):
         assert topic in titles, f"no panel about {topic}"
     ids = [p["id"] for p in dash["panels"]]

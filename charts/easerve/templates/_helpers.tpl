@@ -73,6 +73,12 @@ and the Role (scope=namespace). Exact verbs and resources, no wildcards (docs/he
   resources: ["pods"]
   verbs: ["list"]  # unbound pods of a not-Ready EPDDeployment (InsufficientCapacity); pods are not watched
 - apiGroups: [""]
+  resources: ["pods/log"]
+  verbs: ["get"]  # HAS on the cluster: the load and profiling Jobs' reports
+- apiGroups: ["batch"]
+  resources: ["jobs"]
+  verbs: ["get", "list", "create", "patch", "delete"]  # HAS on the cluster: load and profiling Jobs
+- apiGroups: [""]
   resources: ["events"]
   verbs: ["create", "patch"]
 {{- end -}}
