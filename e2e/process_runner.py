@@ -799,6 +799,11 @@ class ProcessRunner:
             out.write(f"--- {_now()} exited with {code}\n".encode())
         if run.restart_policy == "Never" or (run.restart_policy == "OnFailure" and code == 0):
             c.done = True
+            if all(x.done for x in run.containers):
+                # a terminated pod's devices go back (kubelet's device manager reclaims the devices of
+                # pods that are no longer active; the scheduler stops counting them too): a finished
+                # Job's pod must not keep its GPUs until someone deletes it
+                self.gpu_pool.give(run.uid)
             return
         if now - c.started_at >= BACKOFF_RESET_S:
             c.crashes = 0

@@ -69,10 +69,32 @@ def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = Non
 class PodsCluster:
     """The running pieces, plus helpers the tests share."""
 
-    def __init__(self, cluster: Any, operator: subprocess.Popen[bytes], work: Path) -> None:
+    def __init__(self, cluster: Any, operator: subprocess.Popen[bytes], work: Path, argv: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.cluster = cluster
         self.operator = operator
         self.work = work
+        self._argv, self._env = argv or [], env or {}
+        self._prometheus: str | None = None
+
+    @property
+    def prometheus_url(self) -> str:
+        """A real Prometheus scraping the pods as the chart's PodMonitor does (started on first use)."""
+        if self._prometheus is None:
+            self._prometheus = str(self.cluster.start_prometheus())
+        return self._prometheus
+
+    def kill_operator(self) -> int:
+        """SIGKILL the operator (no cleanup of its own); returns its exit status."""
+        self.operator.kill()
+        return int(self.operator.wait(20))
+
+    def start_operator(self) -> None:
+        """Start the operator again with the same arguments (after ``kill_operator``)."""
+        health = self._argv[self._argv.index("--health-port") + 1]
+        log = (self.work / "operator.log").open("ab")
+        self.operator = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT, env=self._env)
+        wait_http(f"http://127.0.0.1:{health}/healthz", 60, self.operator)
 
     @property
     def harness(self) -> Any:
@@ -202,16 +224,17 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         apply_crd(cluster.kubeconfig)
         start_harness(cluster, processes=True, root=str(work / "pods"), readiness_period_s=0.5, backoff_s=1.0)
         health = free_port()
-        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1"}
-        op = subprocess.Popen(
-            [sys.executable, "-m", "easerve_operator.cli", "operator", "--metrics-port", "0",
-             "--namespace", f"{OPERATOR_NS_PREFIX}-*",
-             "--health-port", str(health), "--bind", "127.0.0.1",
-             "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)],
-            stdout=(work / "operator.log").open("wb"), stderr=subprocess.STDOUT, env=env,
-        )
+        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1",
+               "EASERVE_STATE_DIR": str(work / "operator-state")}  # HAS records, per search
+        argv = [sys.executable, "-m", "easerve_operator.cli", "operator", "--metrics-port", "0",
+                "--namespace", f"{OPERATOR_NS_PREFIX}-*",
+                "--health-port", str(health), "--bind", "127.0.0.1",
+                "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)]
+        op = subprocess.Popen(argv, stdout=(work / "operator.log").open("wb"), stderr=subprocess.STDOUT, env=env)
         wait_http(f"http://127.0.0.1:{health}/healthz", 60, op)
-        yield PodsCluster(cluster, op, work)
+        pc = PodsCluster(cluster, op, work, argv, env)
+        yield pc
+        op = pc.operator
     finally:
         for ns in list(cluster._namespaces):  # delete while the operator runs (kopf finalizers)
             cluster.kubectl("delete", "epd", "--all", "-n", ns, "--wait=true", "--timeout=60s")

@@ -14,6 +14,17 @@ Ready), ``service_url`` (the frontend Service as reached through the kube-proxy 
 (the ``easerve bench`` report: completed, failed, goodput per tier, ...), ``processes`` and the
 resource use of the pods' processes during the load (``pods_cpu_s``, ``pods_rss_mb``).
 
+With ``--tune`` the operator chooses the configuration itself, on the cluster (HAS, issue 13): a real
+Prometheus (Debian's) scrapes the pods as the chart's PodMonitor does, the example is applied with
+its searched fields left out (allocation, ``encode.batchBound``, ``offload.ratio``,
+``smPartition.mode``) and ``spec.tuning: {enabled, trials: cluster}``, and the operator profiles each
+stage in a Job, rolls out each trial, drives it with a load Job and scores it from Prometheus, then
+deploys the best. Progress (phase, current trial, ETA) is printed as it moves; the JSON line gains
+``tuning`` (state, nTrials, best, the time of each phase, and per trial where its metrics came from,
+the load Job's own figures beside them, and the twin's prediction for it). The sim engine runs
+``--sim-speedup`` times faster (2 by default with ``--tune``) with 1 % of the embedding bytes
+materialised; every figure is mapped back to the model's time.
+
 It needs a source checkout (it drives the scripts in ``e2e/``).
 """
 
@@ -42,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-serve", action="store_true", help="skip the load run through the frontend Service")
     parser.add_argument("--requests", type=int, default=20, help="requests of the load run")
     parser.add_argument("--rate", type=float, default=1.0, help="arrival rate of the load run (req/s)")
-    parser.add_argument("--sim-speedup", type=float, default=1.0,
+    parser.add_argument("--sim-speedup", type=float, default=None,
                         help="divide the sim engine's latencies by this in the pods (spec.pod.env EASERVE_SIM_SPEEDUP)")
     parser.add_argument("--json", action="store_true", help="end with one JSON line: ready_s, service_url, load, ...")
+    parser.add_argument("--tune", action="store_true",
+                        help="leave allocation, B, s and the SM split to HAS, run on this cluster (Prometheus-scored)")
+    parser.add_argument("--tune-budget", type=int, default=6, help="with --tune: Stage-2 trials (default 6)")
+    parser.add_argument("--tune-requests", type=int, default=100, help="with --tune: requests per trial (default 100)")
     parser.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (prints a KUBECONFIG)")
 
 
@@ -84,6 +99,53 @@ def _with_pod_env(path: str, env: dict[str, str]) -> str:
     return str(yaml.safe_dump(doc))
 
 
+SEARCHED = (("allocation",), ("encode", "batchBound"), ("offload",), ("smPartition", "mode"))
+
+
+def _tuned_manifest(text: str, budget: int, requests: int, prometheus: str) -> str:
+    """The manifest with the fields HAS chooses left out and its search on the cluster."""
+    import yaml
+
+    doc = yaml.safe_load(text)
+    sp = doc["spec"]
+    for path in SEARCHED:
+        parent = sp
+        for key in path[:-1]:
+            parent = parent.get(key) or {}
+        parent.pop(path[-1], None)
+    tuning = sp.setdefault("tuning", {})
+    tuning.update({"enabled": True, "trials": "cluster", "trialBudget": budget, "requestsPerTrial": requests})
+    tuning.setdefault("targetRate", 2.0)
+    sp.setdefault("observability", {})["prometheusUrl"] = prometheus
+    return str(yaml.safe_dump(doc))
+
+
+def _tuning_summary(tu: dict[str, Any], spec: Any, requests: int) -> dict[str, Any]:
+    """``tuning`` of the JSON line: the result, and per trial its figures with the twin's beside them."""
+    from easerve_operator.tuning.agreement import trial_agreement
+
+    rate = float(tu.get("rate") or 2.0)
+    trials = []
+    for d in tu.get("trialsDetail") or []:
+        t = {k: d.get(k) for k in ("trial", "candidate", "state", "metricsSource", "metrics", "cluster", "resumed")}
+        if d.get("metricsSource") == "prometheus":
+            a = trial_agreement(spec, d, rate, requests)
+            t["twin"] = a["twin"]
+            t["agreement"] = a["ratios"]
+        trials.append({k: v for k, v in t.items() if v is not None})
+    best = tu.get("best") or {}
+    return {
+        "state": tu.get("state"),
+        "phase": tu.get("phase"),
+        "nTrials": tu.get("nTrials"),
+        "stopReason": tu.get("stopReason"),
+        "stage1Sources": tu.get("stage1Sources"),
+        "prometheusUrl": tu.get("prometheusUrl"),
+        "best": {k: best.get(k) for k in ("allocation", "batchBound", "offloadRatio", "trial", "value", "metrics")},
+        "trials": trials,
+    }
+
+
 def _proc_usage(pids: list[int]) -> tuple[float, float]:
     """CPU seconds (user+system) and resident memory (MB) of these processes, from /proc."""
     tick = os.sysconf("SC_CLK_TCK")
@@ -111,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
     from easerve_runtime.api import load_manifest
 
     name, _spec = load_manifest(args.file)  # fail early, with field names, on a bad file
+    speedup = args.sim_speedup if args.sim_speedup is not None else (2.0 if args.tune else 1.0)
+    timeout = args.timeout + (1500.0 if args.tune else 0.0)
     sys.path.insert(0, str(e2e))
     from local_cluster import LocalCluster, start_harness
 
@@ -134,27 +198,47 @@ def run(args: argparse.Namespace) -> int:
         apply_crd(cluster.kubeconfig)
         _say("CRD epddeployments.easerve.io established")
         health = _free_port()
-        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1",
+               "EASERVE_STATE_DIR": str(work / "operator-state")}
+        prometheus = None
+        if args.tune:
+            prometheus = cluster.start_prometheus()
+            _say(f"Prometheus (Debian's) at {prometheus}, scraping the pods as the chart's PodMonitor does")
         op_log = (work / "operator.log").open("wb")
         op = subprocess.Popen(
             [sys.executable, "-m", "easerve_operator.cli", "operator", "--webhook-port", str(_free_port()),
              "--metrics-port", str(_free_port()), "--health-port", str(health), "--bind", "127.0.0.1",
-             "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url)],
+             "--discovery-etcd-endpoints", str(cluster.discovery_etcd_url),
+             *(["--prometheus-url", prometheus] if prometheus else [])],
             stdout=op_log, stderr=subprocess.STDOUT, env=env)
         procs.append(op)
         _wait_http(f"http://127.0.0.1:{health}/healthz", 60, op)
         _say(f"operator and admission webhook running (log: {work / 'operator.log'})")
-        pod_env = {"EASERVE_SIM_SPEEDUP": str(args.sim_speedup)} if args.sim_speedup != 1.0 else {}
-        r = cluster.kubectl("apply", "-f", "-", input=_with_pod_env(args.file, pod_env))
+        pod_env = {"EASERVE_SIM_SPEEDUP": str(speedup)} if speedup != 1.0 else {}
+        if args.tune:
+            pod_env["EASERVE_SIM_BYTES_SCALE"] = "0.01"  # 1 % of the embedding bytes: trials on 2 cores
+        manifest = _with_pod_env(args.file, pod_env)
+        if args.tune:
+            assert prometheus is not None
+            manifest = _tuned_manifest(manifest, args.tune_budget, args.tune_requests, prometheus)
+            _say(f"HAS on the cluster: {args.tune_budget} trials of {args.tune_requests} requests, sim engine x{speedup:g}")
+        r = cluster.kubectl("apply", "-f", "-", input=manifest)
         if r.returncode != 0:
             print(r.stderr, file=sys.stderr)
             return 1
         _say(r.stdout.strip())
         last = ""
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + timeout
+        phase_t: dict[str, float] = {}
         while True:
             obj = json.loads(cluster.kubectl("get", "epd", name, "-o", "json").stdout or "{}")
             st = obj.get("status") or {}
+            tu = st.get("tuning") or {}
+            if args.tune and tu.get("phase") and tu["phase"] not in phase_t:
+                phase_t[tu["phase"]] = time.monotonic() - t0
+            if args.tune and tu.get("state") == "Failed":
+                _say(f"the search failed: {tu.get('message')}")
+                return 1
             ready = next((c for c in st.get("conditions", []) if c["type"] == "Ready"), {})
             pods = json.loads(cluster.kubectl("get", "pods", "-l", f"easerve.io/deployment={name}", "-o",
                                               "json").stdout or '{"items": []}')["items"]
@@ -162,18 +246,30 @@ def run(args: argparse.Namespace) -> int:
                               for c in (p.get("status") or {}).get("conditions") or []) for p in pods)
             line = (f"phase={st.get('phase')} ready={st.get('readySummary')} {ready.get('reason', '')} "
                     f"pods ready {n_ready}/{len(pods)}, processes {len(cluster.harness.runner.pids())}")
+            if args.tune:
+                eta = tu.get("etaSeconds")
+                line += (f" | HAS {tu.get('phase')} trials {tu.get('trials')}/{tu.get('budget')}"
+                         + (f", now {tu['currentTrial']}" if tu.get("currentTrial") else "")
+                         + (f", ETA <= {eta:.0f}s" if eta is not None else ""))
             if line != last:
                 _say(line)
                 last = line
             if (ready.get("status") == "True" and st.get("observedGeneration") == obj["metadata"]["generation"]
-                    and pods and n_ready == len(pods)):
+                    and pods and n_ready == len(pods) and (not args.tune or tu.get("phase") == "Ready")):
                 break
             if time.monotonic() > deadline:
-                _say(f"not Ready after {args.timeout}s")
+                _say(f"not Ready after {timeout:g}s")
                 print(yaml.safe_dump(st), file=sys.stderr)
                 return 1
             time.sleep(0.5)
         result["ready_s"] = round(time.monotonic() - t0, 1)
+        if args.tune:
+            result["tuning"] = _tuning_summary(tu, load_manifest(args.file)[1], args.tune_requests)
+            result["tuning"]["phase_started_s"] = {k: round(v, 1) for k, v in phase_t.items()}
+            result["tuning"]["sim_speedup"] = speedup
+            b = result["tuning"]["best"]
+            _say(f"HAS chose {b['allocation']} B={b['batchBound']} s={b['offloadRatio']} "
+                 f"in {tu.get('nTrials')} cluster trials (scored from Prometheus); deployed and Ready")
         print(cluster.kubectl("get", "epd,deployments,services,configmaps", "-l",
                               f"easerve.io/deployment={name}").stdout, flush=True)
         print(cluster.kubectl("get", "pods", "-o", "wide").stdout, flush=True)

@@ -298,6 +298,7 @@ def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> di
         d["metricsSource"] = "prometheus"
         d["prometheusWholeRun"] = {  # the whole run, warm-up included: what the twin predicts
             "throughput": None if whole.get("throughput") is None else float(whole["throughput"]) / k,
+            "goodput": {t: float(v) / k for t, v in (whole.get("goodput") or {}).items()},
             "ttftMean": None if ttft.get("mean") is None else float(ttft["mean"]) * k,
             "ttftP99": None if (ttft.get("quantiles") or {}).get("p99") is None else float(ttft["quantiles"]["p99"]) * k,
         }
@@ -406,7 +407,15 @@ class SearchReporter:
         return _ReportedRunner(runner, self)
 
     def profiler(self, profiler: Any) -> Any:
+        self._profiler = profiler
         return _ReportedProfiler(profiler, self)
+
+    def stage1_sources(self) -> dict[str, str] | None:
+        """Where each stage's Stage-1 capacity came from (a cluster profiler says: job, recovered, twin)."""
+        report = getattr(getattr(self, "_profiler", None), "report", None)
+        if not callable(report):
+            return None
+        return {k: str(v) for k, v in report().get("sources", {}).items()} or None
 
 
 class _ReportedRunner:
@@ -550,14 +559,27 @@ def run_daemon(
         for r in result.trials:
             metrics.TRIALS.labels(outcome="cached" if r.cached else r.state, trials_on=trials_on).inc()
         metrics.SEARCH_SECONDS.observe(time.monotonic() - t0)
-        done = result_status(result, fp, part, started, resumed, budget, applies, reporter.details).model_copy(
-            update={"trials_on": trials_on, "prometheus_url": prometheus}
+        done = result_status(result, fp, part, started, resumed, budget, applies, all_details(result, reporter, trials_on)).model_copy(
+            update={"trials_on": trials_on, "prometheus_url": prometheus, "stage1_sources": reporter.stage1_sources()}
         )
         metrics.SEARCHES.labels(outcome=str(done.state).lower()).inc()
         logger.info("tuning done (%d trials, %d resumed): %s", done.n_trials or 0, resumed,
                     json.dumps(done.wire().get("best"))[:300])
         write(done)
         finished = done.wire()
+
+
+def all_details(result: Any, reporter: SearchReporter, trials_on: str) -> list[dict[str, Any]]:
+    """Every trial of the search for status: those this daemon ran (with their cluster figures), and
+    those recorded before a restart (``resumed``: their figures are in the records)."""
+    mine = {d["trial"]: d for d in reporter.details}
+    out = []
+    for r in result.trials:
+        d = mine.get(r.number + 1)
+        if d is None:
+            d = {**trial_detail(r, None, trials_on), "resumed": True}
+        out.append(d)
+    return out
 
 
 def deployed(tuning: Mapping[str, Any], body: Mapping[str, Any]) -> bool:

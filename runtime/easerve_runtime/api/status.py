@@ -286,6 +286,11 @@ class TuningStatus(Model):
     )
     prometheus_url: str | None = Field(default=None, description="The Prometheus that scored cluster trials.")
     phase: TuningPhase | None = Field(default=None, description="Profiling, Tuning, Deploying, Ready or Failed.")
+    stage1_sources: dict[str, str] | None = Field(
+        default=None,
+        description="Where each stage's Stage-1 capacity came from: job (a profiling Job on this cluster), "
+        "recovered (its report, after an operator restart) or twin (the engine cannot be profiled there).",
+    )
     current_trial: str | None = Field(
         default=None, description="The trial running now: its number and candidate, e.g. 3: 2E-1P(tp2)-2D(tp2) B=8 s=0.5."
     )

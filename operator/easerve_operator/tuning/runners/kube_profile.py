@@ -195,6 +195,8 @@ class ClusterStageProfiler:
                 if path.exists():
                     self.reports[stage] = json.loads(path.read_text())
                     self.sources.setdefault(stage, "recovered")
+                    # its Job finished before a restart, which left it behind: nothing more to read
+                    self.cluster.delete_labelled(self.namespace, profile_labels(self.deployment, stage))
                 else:
                     todo.append(stage)
             image, env = self._image_and_env() if todo else ("", [])
@@ -213,6 +215,8 @@ class ClusterStageProfiler:
                 for stage in todo:
                     self.cluster.delete_labelled(self.namespace, profile_labels(self.deployment, stage))
             self.phases_s["profile"] = self.clock() - t0
+            self.report_dir.mkdir(parents=True, exist_ok=True)
+            (self.report_dir / "sources.json").write_text(json.dumps(self.sources, sort_keys=True))
             return self.reports
 
     def _wait(self, jobs: dict[str, str], t0: float) -> None:
@@ -240,7 +244,9 @@ class ClusterStageProfiler:
     def _measured(self, stage: str) -> dict[str, Any] | None:
         r = self.run()[stage]
         if "unsupported" in r:
-            self.sources[stage] = f"twin ({r['unsupported']})"
+            if not self.sources.get(stage, "").startswith("twin"):
+                self.sources[stage] = f"twin ({r['unsupported']})"
+                (self.report_dir / "sources.json").write_text(json.dumps(self.sources, sort_keys=True))
             return None
         return r
 
@@ -281,8 +287,13 @@ class ClusterStageProfiler:
         return alpha
 
     def report(self) -> dict[str, Any]:
-        """What the Jobs measured, where each answer came from, and how long they took."""
-        return {"sources": dict(self.sources), "phases_s": dict(self.phases_s), "alpha_parts": dict(self.alpha_parts),
+        """What the Jobs measured, where each answer came from, and how long they took (a resumed
+        search that did not profile again reports what its first profiling recorded)."""
+        sources = dict(self.sources)
+        path = self.report_dir / "sources.json"
+        if not sources and path.exists():
+            sources = json.loads(path.read_text())
+        return {"sources": sources, "phases_s": dict(self.phases_s), "alpha_parts": dict(self.alpha_parts),
                 "time_scale": time_scale(self.spec),
                 "reports": {k: {kk: vv for kk, vv in v.items()} for k, v in self.reports.items()}}
 

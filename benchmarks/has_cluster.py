@@ -1,0 +1,161 @@
+"""HAS run by the operator on the local cluster: time per phase, and each trial against the twin.
+
+Runs the product's own entry point, ``easerve up --tune --json`` (local control plane, kubelet harness
+running every pod as processes, a real Prometheus, the operator's search: profiling Jobs, trial
+roll-outs, load Jobs, Prometheus scores, the best deployed and served), then reads its JSON line:
+
+- **time** of the whole search and of each phase (profiling; per trial: roll-out, warm-up, measure,
+  teardown), against the issue's bar: a 6-trial search of the LLaVA example under 10 minutes on 2
+  cores (the sim engine's speed-up says how much faster than modelled the pods ran);
+- **agreement** of every trial with the twin for the same candidate and requests
+  (``tuning.agreement``: throughput within 5 %, P99 TTFT within 10 %, like with like), and of
+  Prometheus with the load Job's own report (3 %);
+- **the pick** against ``easerve tune --backend sim`` for the same spec (same allocation, goodput at
+  the objective tier within 5 %).
+
+Prints one JSON object; writes ``--out``/has_cluster.json and a PNG (per-trial throughput and P99
+TTFT, cluster vs twin; the phases' time). ``--summary`` prints the committed results instead.
+
+    python benchmarks/has_cluster.py --budget 6 --requests 100 --speedup 2 --out benchmarks/out
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
+
+
+def run_up(budget: int, requests: int, speedup: float) -> tuple[dict[str, Any], float]:
+    cmd = [sys.executable, "-m", "easerve_operator.cli", "up", "--tune", "--json", "--tune-budget", str(budget),
+           "--tune-requests", str(requests), "--sim-speedup", f"{speedup:g}", "--requests", "20"]
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    last = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("[easerve up]"):
+            print(line.rstrip(), file=sys.stderr, flush=True)  # progress: phase, trial, ETA
+        if line.startswith("{"):
+            last = line
+    proc.wait()
+    if not last:
+        raise SystemExit(f"easerve up --tune printed no JSON line (exit {proc.returncode})")
+    return json.loads(last), time.monotonic() - t0
+
+
+def sim_pick(budget: int, requests: int, rate: float) -> dict[str, Any]:
+    """``easerve tune --backend sim`` for the same spec and budget (in-process)."""
+    import yaml
+    from easerve_operator.tuning.loop import StopRules
+    from easerve_operator.tuning.runners.sim import SimRunner, SimStageProfiler
+    from easerve_operator.tuning.search import tune
+    from easerve_operator.tuning.space import space_for
+    from easerve_runtime.api import parse_spec
+
+    spec = parse_spec(copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"]))
+    prof = SimStageProfiler(spec, rate=rate)
+    res = tune(spec, runner=SimRunner(), profiler=prof, space=space_for(spec, prof.min_tp(),
+               local_tp=prof.local_prefill_tp()), rate=rate, rules=StopRules(budget=budget), requests=requests)
+    assert res.best is not None
+    return {"allocation": res.best.allocation, "batchBound": res.best.batch_bound,
+            "offloadRatio": res.best.offload_ratio, "metrics": res.best.metrics.to_dict(),
+            "trials": [r.candidate.to_dict() for r in res.trials]}
+
+
+def analyse(up: dict[str, Any], wall: float, pick: dict[str, Any], objective: str) -> dict[str, Any]:
+    tu = up["tuning"]
+    trials = [t for t in tu["trials"] if "agreement" in t]
+    phases: dict[str, list[float]] = {}
+    for t in trials:
+        for k, v in (t["cluster"]["phasesS"] or {}).items():
+            phases.setdefault(k, []).append(v)
+    best = tu["best"]
+    won = next((t for t in trials if t["candidate"].startswith(f"{best['allocation']} B={best['batchBound']} ")), None)
+    cluster_good = (won or {}).get("cluster", {}).get("job", {}).get("goodput", {}).get(objective)
+    started = tu.get("phase_started_s") or {}
+    return {
+        "wall_s": round(wall, 1),
+        "ready_s": up.get("ready_s"),
+        "search_s": round(started.get("Deploying", 0) - started.get("Profiling", 0), 1) if started else None,
+        "profiling_s": round(started.get("Tuning", 0) - started.get("Profiling", 0), 1) if started else None,
+        "phase_started_s": started,
+        "per_trial_phase_s": {k: {"mean": round(sum(v) / len(v), 2), "max": round(max(v), 2)} for k, v in phases.items()},
+        "sim_speedup": tu.get("sim_speedup"),
+        "n_trials": tu.get("nTrials"),
+        "stage1_sources": tu.get("stage1Sources"),
+        "agreement": [{"trial": t["trial"], "candidate": t["candidate"], **t["agreement"],
+                       "crosscheck": t["cluster"]["crosscheck"]} for t in trials],
+        "max_abs_err": {k: round(max(abs((t["agreement"][k] or 0) - 1) for t in trials), 4)
+                        for k in ("throughput", "ttftP99", "ttftMean")} if trials else {},
+        "pick": {"cluster": {k: best.get(k) for k in ("allocation", "batchBound", "offloadRatio")},
+                 "sim": {k: pick[k] for k in ("allocation", "batchBound", "offloadRatio")},
+                 "same_allocation": best.get("allocation") == pick["allocation"],
+                 f"goodput@{objective}": {"cluster_job": cluster_good, "sim": pick["metrics"]["goodput"].get(objective)}},
+        "load_after": {k: (up.get("load") or {}).get(k) for k in ("completed", "failed", "throughput")},
+    }
+
+
+def plot(res: dict[str, Any], up: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    trials = [t for t in up["tuning"]["trials"] if "agreement" in t]
+    xs = [t["trial"] for t in trials]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    ax[0].plot(xs, [t["twin"]["throughput"] for t in trials], "o--", label="twin (predicted)")
+    ax[0].plot(xs, [t["cluster"]["job"]["throughput"] for t in trials], "s-", label="cluster (measured, load Job)")
+    ax[0].set(title="throughput per trial", xlabel="trial", ylabel="req/s (model time)")
+    ax[1].plot(xs, [t["twin"]["ttftP99Observed"] for t in trials], "o--", label="twin through the TTFT buckets")
+    ax[1].plot(xs, [t["agreement"]["ttftP99"] * t["twin"]["ttftP99Observed"] for t in trials], "s-",
+               label="cluster (Prometheus)")
+    ax[1].set(title="P99 TTFT per trial", xlabel="trial", ylabel="s")
+    for a in ax[:2]:
+        a.legend(fontsize=8)
+        a.set_xticks(xs)
+    names = list(res["per_trial_phase_s"])
+    ax[2].bar(names, [res["per_trial_phase_s"][n]["mean"] for n in names])
+    ax[2].set(title=f"mean time per trial phase (profiling {res['profiling_s']} s, search {res['search_s']} s)",
+              ylabel="s (wall)")
+    ax[2].tick_params(axis="x", rotation=30)
+    fig.suptitle(f"HAS on the local cluster: {res['n_trials']} trials, sim engine x{res['sim_speedup']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--budget", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--speedup", type=float, default=2.0)
+    ap.add_argument("--rate", type=float, default=2.0, help="the example's spec.tuning.targetRate")
+    ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
+    ap.add_argument("--summary", action="store_true", help="print the committed results/has_cluster*.json")
+    args = ap.parse_args()
+    if args.summary:
+        out = {p.name: json.loads(p.read_text())["result"] for p in sorted(RESULTS.glob("has_cluster*.json"))}
+        print(json.dumps(out, indent=1))
+        return 0
+    up, wall = run_up(args.budget, args.requests, args.speedup)
+    pick = sim_pick(args.budget, args.requests, args.rate)
+    res = analyse(up, wall, pick, "moderate")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "has_cluster.json").write_text(json.dumps({"result": res, "up": up, "sim": pick}, indent=1))
+    plot(res, up, args.out / "has_cluster.png")
+    print(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
