@@ -458,3 +458,37 @@ def test_twin_trials_are_the_default_and_say_so(tmp_path, monkeypatch):
     tuning.run_daemon(st, _OneSearch(), _tuned_manifest(), "ns", "llava", UID)
     done = st.patches[-1]["tuning"]
     assert done["state"] == "Succeeded" and done["trialsOn"] == "twin" and done["prometheusUrl"] is None
+
+
+def test_an_unreachable_prometheus_stops_the_search_naming_its_url(tmp_path, monkeypatch):
+    """Prometheus gone (after the scorer's own retries with back-off): every later trial would fail
+    the same way, so the search stops at the first, Failed, naming the URL, and tears the trial down."""
+    import easerve_operator.tuning.prometheus as prom
+    import easerve_operator.tuning.runners.kube as kube
+    from easerve_operator.reconcile import tuning
+
+    monkeypatch.setenv(tuning.STATE_DIR_ENV, str(tmp_path / "state"))
+    clock = Clock()
+    made: list[FakeCluster] = []
+
+    class OpCluster(FakeCluster):
+        def __init__(self) -> None:
+            super().__init__(clock, ready_after=0, run_s=0.0)
+            made.append(self)
+
+    class Gone:
+        def score(self, *a: Any, **k: Any) -> Any:
+            raise prom.PrometheusUnreachable("http://prom.monitoring:9090", 6, 15.5, ConnectionError("refused"))
+
+    monkeypatch.setattr(kube, "KubeTrialCluster", OpCluster)
+    monkeypatch.setattr(prom, "PrometheusScorer", lambda url, selector: Gone())
+    doc = _tuned_manifest(trials="cluster")
+    doc["spec"]["observability"] = {"prometheusUrl": "http://prom.monitoring:9090"}
+    st = _Status()
+    tuning.run_daemon(st, _OneSearch(), doc, "ns", "llava", UID)
+    done = st.patches[-1]["tuning"]
+    assert done["state"] == "Failed" and done["phase"] == "Failed"
+    assert "Prometheus at http://prom.monitoring:9090 unreachable after 6 attempts" in done["message"]
+    loads = [k for op, k in made[0].calls if op == "apply" and k[0] == "Job" and k[1].endswith("-load")]
+    assert len(loads) == 1, "stopped at the first trial"
+    assert made[0].objects == {}, "the trial is torn down"

@@ -72,6 +72,13 @@ class _Abort(Exception):
     """The daemon is stopping, or the spec changed under the search."""
 
 
+class SearchStopped(RuntimeError):
+    """A trial failed in a way every later trial would too (Prometheus unreachable after its retries):
+    the search stops, Failed, with the trial's reason, instead of spending its budget on failures."""
+
+
+FATAL_TRIAL_ERRORS = ("PrometheusUnreachable",)
+
 # ------------------------------------------------------------------------------------ identity
 # fingerprint / partition: the search's identity, shared with ``reconcile.effective`` (pure)
 
@@ -393,6 +400,8 @@ class SearchReporter:
             self._t_trial = None
         last = getattr(self._runner, "last", None) if not rec.cached else None
         self.details.append(trial_detail(rec, last if isinstance(last, Mapping) else None, self.running.trials_on or ""))
+        if rec.error and str(rec.error).startswith(FATAL_TRIAL_ERRORS):
+            raise SearchStopped(f"trial {rec.number + 1} failed: {rec.error}")
         self._check()
         vals = [r.value for r in records if r.ok and not r.cached]
         done = len([r for r in records if not r.cached])
