@@ -35,9 +35,10 @@ RESULTS = REPO / "benchmarks" / "results"
 EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
 
 
-def run_up(budget: int, requests: int, speedup: float) -> tuple[dict[str, Any], float]:
+def run_up(budget: int, requests: int, speedup: float, rate: float) -> tuple[dict[str, Any], float]:
     cmd = [sys.executable, "-m", "easerve_operator.cli", "up", "--tune", "--json", "--tune-budget", str(budget),
-           "--tune-requests", str(requests), "--sim-speedup", f"{speedup:g}", "--requests", "20"]
+           "--tune-requests", str(requests), "--sim-speedup", f"{speedup:g}", "--tune-rate", f"{rate:g}",
+           "--requests", "20"]
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     last = ""
@@ -62,7 +63,9 @@ def sim_pick(budget: int, requests: int, rate: float) -> dict[str, Any]:
     from easerve_operator.tuning.space import space_for
     from easerve_runtime.api import parse_spec
 
-    spec = parse_spec(copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"]))
+    raw = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text())["spec"])
+    raw["tuning"]["targetRate"] = rate
+    spec = parse_spec(raw)
     prof = SimStageProfiler(spec, rate=rate)
     res = tune(spec, runner=SimRunner(), profiler=prof, space=space_for(spec, prof.min_tp(),
                local_tp=prof.local_prefill_tp()), rate=rate, rules=StopRules(budget=budget), requests=requests)
@@ -126,10 +129,13 @@ def plot(res: dict[str, Any], up: dict[str, Any], path: Path) -> None:
         a.set_xticks(xs)
     names = list(res["per_trial_phase_s"])
     ax[2].bar(names, [res["per_trial_phase_s"][n]["mean"] for n in names])
-    ax[2].set(title=f"mean time per trial phase (profiling {res['profiling_s']} s, search {res['search_s']} s)",
-              ylabel="s (wall)")
+    ax[2].set(title="time per trial phase (mean)", ylabel="s (wall)")
     ax[2].tick_params(axis="x", rotation=30)
-    fig.suptitle(f"HAS on the local cluster: {res['n_trials']} trials, sim engine x{res['sim_speedup']}")
+    fig.suptitle(f"HAS on the local cluster: {res['n_trials']} trials, sim engine x{res['sim_speedup']} "
+                 f"(profiling {res['profiling_s']} s, search {res['search_s']} s, measured)")
+    lo = min(min(t["twin"]["throughput"], t["cluster"]["job"]["throughput"]) for t in trials)
+    hi = max(max(t["twin"]["throughput"], t["cluster"]["job"]["throughput"]) for t in trials)
+    ax[0].set_ylim(lo * 0.9, hi * 1.1)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -142,12 +148,17 @@ def main() -> int:
     ap.add_argument("--rate", type=float, default=2.0, help="the example's spec.tuning.targetRate")
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
     ap.add_argument("--summary", action="store_true", help="print the committed results/has_cluster*.json")
+    ap.add_argument("--replot", type=Path, default=None, help="re-plot a has_cluster.json (no run)")
     args = ap.parse_args()
     if args.summary:
         out = {p.name: json.loads(p.read_text())["result"] for p in sorted(RESULTS.glob("has_cluster*.json"))}
         print(json.dumps(out, indent=1))
         return 0
-    up, wall = run_up(args.budget, args.requests, args.speedup)
+    if args.replot is not None:
+        d = json.loads(args.replot.read_text())
+        plot(d["result"], d["up"], args.replot.with_suffix(".png"))
+        return 0
+    up, wall = run_up(args.budget, args.requests, args.speedup, args.rate)
     pick = sim_pick(args.budget, args.requests, args.rate)
     res = analyse(up, wall, pick, "moderate")
     args.out.mkdir(parents=True, exist_ok=True)

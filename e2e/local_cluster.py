@@ -315,8 +315,9 @@ class LocalCluster(Cluster):
         return "\n".join(p.read_text(errors="replace").splitlines()[-lines:]) if p.exists() else ""
 
 
-SCRAPED_PORTS = ("http", "system", "system-lp")
-"""The container ports the chart's PodMonitor scrapes: the frontend's HTTP port, the workers' system ports."""
+SCRAPED_PORTS = ("http", "system", "system-lp", *(f"system-e{i}" for i in range(1, 8)))
+"""The container ports the chart's PodMonitor scrapes: the frontend's HTTP port, the workers' system
+ports (an encode pod spanning k GPUs runs encode workers on ``system``, ``system-e1`` ...)."""
 
 
 def pod_targets(pods: list[dict[str, Any]]) -> list[dict[str, Any]]:

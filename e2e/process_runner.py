@@ -12,6 +12,9 @@ kubelet's pod workers, so the pod specs the operator renders are really executed
   ``configMapKeyRef``, ``secretKeyRef``; ``resourceFieldRef`` for limits), plus ``envFrom``, plus
   what a kubelet adds (HOSTNAME, KUBERNETES_SERVICE_HOST/PORT pointing at the local apiserver).
 * **volumes**: ConfigMap, Secret, downwardAPI, projected (configMap/secret) volumes are materialised
+  (ConfigMap volumes laid out as kubelet's AtomicWriter does, ``..data`` swapped atomically, and kept
+  fresh: an updated ConfigMap reaches its pods' files within ``CONFIG_SYNC_S``, as the workers' live
+  knobs need)
   to per-pod folders; ``emptyDir`` is a per-pod folder shared by the pod's containers
   (``medium: Memory`` lives under /dev/shm); ``hostPath`` is the host path. Each container runs in
   its own MOUNT NAMESPACE (``unshare --mount``) where those folders are bind-mounted at their
@@ -297,6 +300,43 @@ class PodRun:
     start_iso: str = ""
     last_status: str = ""
     error: str = ""
+    config_maps: list[tuple[str, Path, list[dict[str, Any]] | None, int, str]] = field(default_factory=list)
+    """ConfigMap volumes to keep fresh: (ConfigMap name, folder, items, mode, resourceVersion written)."""
+
+
+def _cm_data(obj: dict[str, Any] | None) -> dict[str, bytes]:
+    out = {k: v.encode() for k, v in ((obj or {}).get("data") or {}).items()}
+    out.update({k: base64.b64decode(v) for k, v in ((obj or {}).get("binaryData") or {}).items()})
+    return out
+
+
+def write_atomic(d: Path, data: dict[str, bytes], items: list[dict[str, Any]] | None, mode: int) -> None:
+    """A ConfigMap volume as kubelet's AtomicWriter lays it out: the files in a timestamped folder,
+    ``..data`` a symlink to it, each top-level name a symlink through ``..data``. An update writes a
+    new folder and swaps ``..data`` with one rename, so a reader sees the old files or the new ones,
+    never a mix, and ``os.stat`` of ``config.json`` sees a new inode (the workers' ConfigFollower)."""
+    d.mkdir(parents=True, exist_ok=True)
+    ts = d / f"..{time.strftime('%Y_%m_%d_%H_%M_%S')}.{time.monotonic_ns()}"
+    ProcessRunner._write_items(ts, data, items, mode)
+    tmp = d / "..data_tmp"
+    with contextlib.suppress(FileNotFoundError):
+        tmp.unlink()
+    tmp.symlink_to(ts.name)
+    old = os.readlink(d / "..data") if (d / "..data").is_symlink() else None
+    os.replace(tmp, d / "..data")
+    for top in {p.relative_to(ts).parts[0] for p in ts.rglob("*")}:
+        link = d / top
+        if not link.is_symlink():
+            if link.exists():
+                shutil.rmtree(link) if link.is_dir() else link.unlink()
+            link.symlink_to(Path("..data") / top)
+    if old and old != ts.name:
+        shutil.rmtree(d / old, ignore_errors=True)
+
+
+CONFIG_SYNC_S = 1.0
+"""How often the runner re-reads the ConfigMaps its pods mount (kubelet: its sync period plus a
+cache TTL, about a minute by default; a second keeps tests short)."""
 
 
 # --------------------------------------------------------------------------- the runner
@@ -340,10 +380,15 @@ class ProcessRunner:
         self._pods: dict[str, PodRun] = {}
         self._lock = threading.Lock()
         self.shm_base = Path("/dev/shm") / f"easerve-harness-{os.getpid()}-{octet}"
+        self._refresher: threading.Thread | None = None
+        self._closed = threading.Event()
 
     # ------------------------------------------------------------------ harness side
     def attach(self, core: Any, report: Callable[[str, str, dict[str, Any]], None], node: str, api_url: str) -> None:
         self._core = core
+        if self._refresher is None:
+            self._refresher = threading.Thread(target=self._refresh_loop, name="configmap-refresh", daemon=True)
+            self._refresher.start()
         self._report = report
         self.node = node
         m = re.match(r"https?://([^:/]+)(?::(\d+))?", api_url or "")
@@ -399,7 +444,35 @@ class ProcessRunner:
             g = float(md.get("deletionGracePeriodSeconds") or run.grace)
         self._stop_run(run, g)
 
+    def _refresh_loop(self) -> None:
+        """Keep mounted ConfigMaps fresh, as a kubelet does: one list per sync for every pod's volumes."""
+        while not self._closed.wait(CONFIG_SYNC_S):
+            with self._lock:
+                runs = [r for r in self._pods.values() if r.config_maps]
+            if not runs:
+                continue
+            try:
+                items = json.loads(self._core.list_config_map_for_all_namespaces(_preload_content=False).data)["items"]
+            except Exception as e:  # noqa: BLE001 - the next sync tries again
+                log.debug("configmap refresh: %s", e)
+                continue
+            live = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in items}
+            for r in runs:
+                for i, (name, d, its, mode, rv) in enumerate(r.config_maps):
+                    obj = live.get((r.namespace, name))
+                    new_rv = str((obj or {}).get("metadata", {}).get("resourceVersion", ""))
+                    if obj is None or new_rv == rv or r.stop.is_set():
+                        continue
+                    try:
+                        write_atomic(d, _cm_data(obj), its, mode)
+                    except OSError as e:  # the pod is going away
+                        log.debug("configmap refresh of %s/%s: %s", r.namespace, r.name, e)
+                        continue
+                    r.config_maps[i] = (name, d, its, mode, new_rv)
+                    log.info("%s/%s: configmap %s updated in its volume", r.namespace, r.name, name)
+
     def stop_all(self, grace: float = 5.0) -> None:
+        self._closed.set()
         with self._lock:
             runs = list(self._pods.values())
             self._pods.clear()
@@ -463,8 +536,7 @@ class ProcessRunner:
             raise RuntimeError(f"{kind} {ns}/{name} not found")
         out: dict[str, bytes] = {}
         if kind == "configmap":
-            out.update({k: v.encode() for k, v in (obj.get("data") or {}).items()})
-            out.update({k: base64.b64decode(v) for k, v in (obj.get("binaryData") or {}).items()})
+            return _cm_data(obj)
         else:
             out.update({k: base64.b64decode(v) for k, v in (obj.get("data") or {}).items()})
             out.update({k: v.encode() for k, v in (obj.get("stringData") or {}).items()})
@@ -510,8 +582,13 @@ class ProcessRunner:
             d = run.root / "volumes" / name
             if "configMap" in v:
                 c = v["configMap"]
-                data = self._kv("configmap", ns, c["name"], bool(c.get("optional")))
-                self._write_items(d, data, c.get("items"), int(c.get("defaultMode", 0o644)))
+                obj = self._read("configmap", ns, c["name"])
+                if obj is None and not c.get("optional"):
+                    raise RuntimeError(f"configmap {ns}/{c['name']} not found")
+                mode = int(c.get("defaultMode", 0o644))
+                write_atomic(d, _cm_data(obj), c.get("items"), mode)
+                rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion", ""))
+                run.config_maps.append((c["name"], d, c.get("items"), mode, rv))
             elif "secret" in v:
                 s = v["secret"]
                 data = self._kv("secret", ns, s["secretName"], bool(s.get("optional")))

@@ -190,7 +190,16 @@ def test_monitors_only_with_the_prometheus_operator_api() -> None:
     (svc,) = [s for s in by_kind(on, "Service") if "easerve.io/role" not in s["metadata"]["labels"]]
     assert svc["spec"]["ports"][0]["name"] == "metrics"
     assert pm["spec"]["selector"]["matchExpressions"][0]["key"] == "easerve.io/deployment"
-    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == {"http", "system", "system-lp"}
+    # every port the topology names a metrics port: the frontend, a worker, local prefill, and the
+    # further encode workers of a pod spanning up to 8 GPUs; the local cluster's Prometheus scrapes the same
+    want = {"http", "system", "system-lp", *(f"system-e{i}" for i in range(1, 8))}
+    assert {e["port"] for e in pm["spec"]["podMetricsEndpoints"]} == want
+    import sys
+
+    sys.path.insert(0, str(REPO / "e2e"))
+    from local_cluster import SCRAPED_PORTS
+
+    assert set(SCRAPED_PORTS) == want
 
 
 def test_discovery_etcd_installed_or_pointed_at() -> None:

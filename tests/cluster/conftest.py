@@ -248,7 +248,8 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         cluster.stop(purge=True)
 
 
-def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeout_s: float = 180.0) -> list[Any]:
+def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeout_s: float = 180.0,
+              reqs: list[Any] | None = None) -> list[Any]:
     """``n`` multimodal requests of the example's workload at ``rate``/s, open loop, through ``url``.
 
     Each request has its own deadline (`timeout_s`): a request that hangs shows up as a
@@ -265,7 +266,8 @@ def send_load(url: str, example: Path, n: int, rate: float, seed: int = 0, timeo
     from easerve_runtime.workload import generate
 
     _, spec = load_manifest(str(example))
-    reqs = generate(spec, rate, n, seed)
+    if reqs is None:  # else: the given requests, at their own arrival times (a step trace, say)
+        reqs = generate(spec, rate, n, seed)
 
     async def main() -> list[Any]:
         timeout = aiohttp.ClientTimeout(total=timeout_s)

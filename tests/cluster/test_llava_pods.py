@@ -144,12 +144,59 @@ def test_discovery_etcd_stopped_for_10s_under_load(pods_cluster: PodsCluster, ll
     assert url.removeprefix("http://") in logs
 
 
-def test_rolling_update_of_b_replaces_only_encode_pods_and_no_request_hangs(
+def _encode_metric(pods_cluster: PodsCluster, ns: str, name: str, metric: str) -> list[float]:
+    """A gauge of every encode worker (their system ports' /metrics)."""
+    import re
+    import urllib.request
+
+    out = []
+    for p in pods_cluster.pods(ns, name):
+        if p["metadata"]["labels"]["easerve.io/stage"] != "encode":
+            continue
+        ip = p["status"]["podIP"]
+        for c in p["spec"]["containers"]:
+            port = next((q["containerPort"] for q in c.get("ports") or []
+                         if q.get("name", "").startswith("system") and q["name"] != "system-lp"), None)
+            if port is None:
+                continue
+            with urllib.request.urlopen(f"http://{ip}:{port}/metrics", timeout=5) as r:
+                m = re.search(rf"^{metric} ([0-9.e+-]+)$", r.read().decode(), re.M)
+            if m:
+                out.append(float(m.group(1)))
+    return out
+
+
+def test_b_and_s_change_live_without_a_pod_restart_or_a_failed_request(
     pods_cluster: PodsCluster, llava: tuple[str, str]
 ) -> None:
+    """B and s are live knobs (issue 14): a change rewrites the ConfigMap, the kubelet harness refreshes
+    the mounted file as a kubelet does, and the encode workers take it between two requests: no pod is
+    replaced, no process restarts, no request fails."""
+    ns, name = llava
+    before = {p["metadata"]["name"] for p in pods_cluster.pods(ns, name)}
+    pids = dict(pods_cluster.runner.pids(ns))
+    patch = '{"spec": {"encode": {"batchBound": 2}, "offload": {"ratio": 0.25}}}'
+    _during(3.0, lambda: pods_cluster.kubectl("patch", "epd", name, "-n", ns, "--type", "merge", "-p", patch, check=True))
+    out = send_load(pods_cluster.frontend_url(ns, name), EXAMPLE, n=30, rate=RATE, seed=5)
+    assert all(o.record.ok for o in out), Counter(str(o.record.error)[:100] for o in out if not o.record.ok)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and set(_encode_metric(pods_cluster, ns, name, "easerve_encode_batch_bound")) != {2.0}:
+        time.sleep(0.5)
+    assert _encode_metric(pods_cluster, ns, name, "easerve_encode_batch_bound") == [2.0, 2.0]  # both encode workers
+    assert _encode_metric(pods_cluster, ns, name, "easerve_router_offload_ratio") == [0.25, 0.25]
+    assert {p["metadata"]["name"] for p in pods_cluster.pods(ns, name)} == before, "no pod was replaced"
+    assert pods_cluster.runner.pids(ns) == pids, "no process restarted"
+    pods_cluster.wait_ready(ns, name, timeout=60)
+
+
+def test_rolling_update_of_the_encode_stage_replaces_only_encode_pods_and_no_request_hangs(
+    pods_cluster: PodsCluster, llava: tuple[str, str]
+) -> None:
+    """A change the encode pods cannot take live (the SM split's epsilon: the partition controller
+    reads it at start) rolls them, and only them."""
     ns, name = llava
     before = {p["metadata"]["name"]: p["metadata"]["labels"]["easerve.io/stage"] for p in pods_cluster.pods(ns, name)}
-    patch = '{"spec": {"encode": {"batchBound": 4}}}'
+    patch = '{"spec": {"smPartition": {"epsilon": 0.2}}}'
     _during(3.0, lambda: pods_cluster.kubectl("patch", "epd", name, "-n", ns, "--type", "merge", "-p", patch, check=True))
     out = send_load(pods_cluster.frontend_url(ns, name), EXAMPLE, n=60, rate=RATE, seed=4)
     _ROLL["failures"] = [str(o.record.error) for o in out if not o.record.ok]

@@ -154,19 +154,34 @@ def test_probes_and_scheduling_are_the_same_in_every_mode() -> None:
     assert len(probes) == 2, probes  # one readiness and one liveness shape across every mode
 
 
-def test_batch_bound_change_rolls_only_encode() -> None:
-    base = render(REPO / "examples" / "llava-v1.6-34b.yaml")
-    changed = render(REPO / "examples" / "llava-v1.6-34b.yaml",
-                     encode={**load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")[1].encode.wire(), "batchBound": 16})
+def _hashes(objs: list[dict[str, Any]]) -> dict[str, str]:
+    return {o["metadata"]["labels"]["easerve.io/stage"]: o["spec"]["template"]["metadata"]["annotations"]
+            ["easerve.io/config-hash"] for o in objs if o["kind"] == "Deployment"}
 
-    def hashes(objs: list[dict[str, Any]]) -> dict[str, str]:
-        return {o["metadata"]["labels"]["easerve.io/stage"]: o["spec"]["template"]["metadata"]["annotations"]
-                ["easerve.io/config-hash"] for o in objs if o["kind"] == "Deployment"}
 
-    a, b = hashes(base), hashes(changed)
-    assert a["encode"] != b["encode"] and a["prefill"] == b["prefill"] and a["decode"] == b["decode"]
+def test_live_knobs_change_the_configmap_and_roll_no_pod() -> None:
+    """B, the dispatch parameters and s (within the pod layout) are live knobs (issue 14): the
+    encode workers follow the ConfigMap, so their pods must not roll."""
+    ex = REPO / "examples" / "llava-v1.6-34b.yaml"
+    base = render(ex)
+    enc = load_manifest(ex)[1].encode.wire()
+    changed = render(ex, encode={**enc, "batchBound": 16, "maxAgeMs": 20, "gapQuantile": 0.8}, offload={"ratio": 0.3})
+    assert _hashes(base) == _hashes(changed)
+    assert [o["spec"]["template"] for o in base if o["kind"] == "Deployment"] == [
+        o["spec"]["template"] for o in changed if o["kind"] == "Deployment"]
     cm = next(o for o in changed if o["kind"] == "ConfigMap")
-    assert json.loads(cm["data"]["config.json"])["spec"]["encode"]["batchBound"] == 16
+    cfg = json.loads(cm["data"]["config.json"])["spec"]
+    assert cfg["encode"]["batchBound"] == 16 and cfg["offload"]["ratio"] == 0.3
+
+
+def test_a_change_the_encode_workers_read_at_start_rolls_only_encode() -> None:
+    ex = REPO / "examples" / "llava-v1.6-34b.yaml"
+    base = render(ex)
+    enc = load_manifest(ex)[1].encode.wire()
+    for changed in (render(ex, encode={**enc, "sendWindow": 4}),
+                    render(ex, smPartition={**load_manifest(ex)[1].sm_partition.wire(), "epsilon": 0.3})):
+        a, b = _hashes(base), _hashes(changed)
+        assert a["encode"] != b["encode"] and a["prefill"] == b["prefill"] and a["decode"] == b["decode"]
 
 
 def test_config_hash_covers_what_the_stage_reads() -> None:

@@ -60,6 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="leave allocation, B, s and the SM split to HAS, run on this cluster (Prometheus-scored)")
     parser.add_argument("--tune-budget", type=int, default=6, help="with --tune: Stage-2 trials (default 6)")
     parser.add_argument("--tune-requests", type=int, default=100, help="with --tune: requests per trial (default 100)")
+    parser.add_argument("--tune-rate", type=float, default=None,
+                        help="with --tune: the target rate (default: the example's spec.tuning.targetRate, else 2)")
     parser.add_argument("--keep-running", action="store_true", help="stay up until Ctrl-C (prints a KUBECONFIG)")
 
 
@@ -102,7 +104,7 @@ def _with_pod_env(path: str, env: dict[str, str]) -> str:
 SEARCHED = (("allocation",), ("encode", "batchBound"), ("offload",), ("smPartition", "mode"))
 
 
-def _tuned_manifest(text: str, budget: int, requests: int, prometheus: str) -> str:
+def _tuned_manifest(text: str, budget: int, requests: int, prometheus: str, rate: float | None = None) -> str:
     """The manifest with the fields HAS chooses left out and its search on the cluster."""
     import yaml
 
@@ -115,7 +117,7 @@ def _tuned_manifest(text: str, budget: int, requests: int, prometheus: str) -> s
         parent.pop(path[-1], None)
     tuning = sp.setdefault("tuning", {})
     tuning.update({"enabled": True, "trials": "cluster", "trialBudget": budget, "requestsPerTrial": requests})
-    tuning.setdefault("targetRate", 2.0)
+    tuning["targetRate"] = rate if rate is not None else tuning.get("targetRate") or 2.0
     sp.setdefault("observability", {})["prometheusUrl"] = prometheus
     return str(yaml.safe_dump(doc))
 
@@ -220,7 +222,7 @@ def run(args: argparse.Namespace) -> int:
         manifest = _with_pod_env(args.file, pod_env)
         if args.tune:
             assert prometheus is not None
-            manifest = _tuned_manifest(manifest, args.tune_budget, args.tune_requests, prometheus)
+            manifest = _tuned_manifest(manifest, args.tune_budget, args.tune_requests, prometheus, args.tune_rate)
             _say(f"HAS on the cluster: {args.tune_budget} trials of {args.tune_requests} requests, sim engine x{speedup:g}")
         r = cluster.kubectl("apply", "-f", "-", input=manifest)
         if r.returncode != 0:

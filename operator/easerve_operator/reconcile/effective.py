@@ -24,8 +24,13 @@ CD / Flux see no drift). Where the search has no result yet:
   last ``status.effective``), so re-tuning never takes the service down;
 * a failed search, or tuning disabled: the model's defaults run, and say so.
 
-``status.effective.sources`` names, per field, where its value came from: ``spec``, ``tuned`` or
-``default``.
+**The autopilot** (``spec.tuning.adapt``, ``reconcile/adapt_loop.py``) then moves the live knobs B and
+s with the observed load: ``status.adapt.knobs`` fills ``encode.batchBound`` and ``offload.ratio`` when
+the manifest leaves them unset (explicit values are pinned: the autopilot never moves them). Those two
+reach running encode workers through the ConfigMap without a restart (``policies.knobs.LIVE_FIELDS``).
+
+``status.effective.sources`` names, per field, where its value came from: ``spec``, ``tuned``,
+``adapted`` or ``default``.
 
 WHY the search's *identity* lives here too (``fingerprint``, ``partition``): the daemon that runs
 the search and this resolver must agree on which search a result belongs to, and this module is
@@ -49,7 +54,7 @@ from easerve_runtime.api import (
 )
 from easerve_runtime.api.status import EffectiveConfig
 
-Source = Literal["spec", "tuned", "default"]
+Source = Literal["spec", "tuned", "adapted", "default"]
 SEARCHED: tuple[tuple[str, ...], ...] = (
     ("allocation",),
     ("encode", "batchBound"),
@@ -122,13 +127,16 @@ class Resolved:
     """Why nothing is deployed yet (the first search runs), else None."""
     errors: list[str] = field(default_factory=list)
     tuned: Tuned | None = None
+    adapted: tuple[int, float] | None = None
+    """(B, s) the autopilot laid over the unset fields, if any."""
 
     @property
     def key(self) -> str:
         """What distinguishes two resolutions of one generation (the render cache's key)."""
         if self.waiting is not None:
             return "waiting"
-        return self.tuned.digest() if self.tuned is not None else "-"
+        base = self.tuned.digest() if self.tuned is not None else "-"
+        return base if self.adapted is None else f"{base}+{self.adapted[0]}/{self.adapted[1]:g}"
 
     def effective(self) -> EffectiveConfig | None:
         if self.spec is None or self.waiting is not None:
@@ -186,9 +194,41 @@ def resolve(
     spec: EPDDeploymentSpec,
     tuning: Mapping[str, Any] | None,
     previous: Mapping[str, Any] | None = None,
+    adapt: Mapping[str, Any] | None = None,
 ) -> Resolved:
-    """``spec`` (parsed from ``raw``) with tuned values on its unset searched fields; see the module
-    docstring. ``tuning`` is ``status.tuning``, ``previous`` the last ``status.effective``."""
+    """``spec`` (parsed from ``raw``) with tuned values on its unset searched fields, then the
+    autopilot's live knobs; see the module docstring. ``tuning`` is ``status.tuning``, ``previous``
+    the last ``status.effective``, ``adapt`` is ``status.adapt``."""
+    r = _resolve_tuned(raw, spec, tuning, previous)
+    if r.spec is None or r.waiting is not None or not adapt or not r.spec.tuning.adapt.enabled:
+        return r
+    knobs = adapt.get("knobs") or {}
+    unset = unset_fields(raw)
+    upd: dict[str, Any] = {}
+    sources = dict(r.sources)
+    b = knobs.get("batchBound")
+    if "encode.batchBound" in unset and b is not None and int(b) != r.spec.encode.batch_bound:
+        upd["encode"] = r.spec.encode.model_copy(update={"batch_bound": int(b)})
+        sources["encode.batchBound"] = "adapted"
+    s_new = knobs.get("offloadRatio")
+    if ("offload.ratio" in unset and s_new is not None and float(s_new) != r.spec.offload.ratio
+            and 0.0 < float(s_new) < 1.0 and 0.0 < r.spec.offload.ratio < 1.0):  # within the pod layout
+        upd["offload"] = r.spec.offload.model_copy(update={"ratio": float(s_new)})
+        sources["offload.ratio"] = "adapted"
+    if not upd:
+        return r
+    out = r.spec.model_copy(update=upd)
+    if cross_field_errors(out):
+        return r  # an adapted value that cannot run here is not laid over (the autopilot pins such knobs)
+    return Resolved(out, sources, tuned=r.tuned, adapted=(out.encode.batch_bound, out.offload.ratio))
+
+
+def _resolve_tuned(
+    raw: Mapping[str, Any],
+    spec: EPDDeploymentSpec,
+    tuning: Mapping[str, Any] | None,
+    previous: Mapping[str, Any] | None,
+) -> Resolved:
     unset = unset_fields(raw)
     spec_src: dict[str, Source] = {".".join(p): "spec" for p in SEARCHED if ".".join(p) not in unset}
     defaults: dict[str, Source] = {**spec_src, **{u: "default" for u in unset}}

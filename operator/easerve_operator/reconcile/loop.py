@@ -326,7 +326,7 @@ class Reconciler:
         spec, errors = parsed
         if spec is None:
             return Desired(None, errors, [])
-        r = resolve(owner.spec, spec, owner.status.get("tuning"), owner.status.get("effective"))
+        r = resolve(owner.spec, spec, owner.status.get("tuning"), owner.status.get("effective"), owner.status.get("adapt"))
         key = (*gen_key, r.key)
         with self._lock:
             hit = self._render_cache.get(key)

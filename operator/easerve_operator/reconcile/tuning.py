@@ -509,6 +509,7 @@ def run_daemon(
 
     # What this daemon finished itself; kopf's body lags behind our own writes (module docstring).
     finished: dict[str, Any] | None = None
+    autopilot = Autopilot(client, namespace, name, None, logger)
     while not stopped:
         try:
             spec = parse_spec(dict(body.get("spec") or {}))
@@ -521,7 +522,11 @@ def run_daemon(
                 ready = TuningStatus.model_validate(current).model_copy(update={"phase": TuningPhase.READY})
                 write(ready)
                 finished = ready.wire()
-            stopped.wait(5)
+            if spec.tuning.adapt.enabled and current.get("state") == TuningState.SUCCEEDED:
+                autopilot.step(body, spec, current)
+                stopped.wait(ADAPT_PERIOD_S)
+            else:
+                stopped.wait(5)
             continue
         fp, part = fingerprint(spec), partition(spec)
         started = current.get("startedAt") if current.get("fingerprint") == fp else None
@@ -576,6 +581,62 @@ def run_daemon(
                     json.dumps(done.wire().get("best"))[:300])
         write(done)
         finished = done.wire()
+
+
+ADAPT_PERIOD_S = 2.0
+"""How often the autopilot reads the load (its decisions are paced by spec.tuning.adapt's hold and interval)."""
+ADAPT_WRITE_EVERY_S = 10.0
+
+
+class Autopilot:
+    """The daemon's side of ``reconcile.adapt_loop``: builds the loop once a Prometheus is known,
+    steps it, and writes ``status.adapt`` when a decision is made (at once) or every 10 s."""
+
+    def __init__(self, client: StatusWriter, namespace: str, name: str, prometheus_default: str | None,
+                 logger: logging.Logger) -> None:
+        self.client, self.namespace, self.name = client, namespace, name
+        self.prometheus_default, self.logger = prometheus_default, logger
+        self.loop: Any = None
+        self.url: str | None = None
+        self.last_write = 0.0
+        self.last_decisions = -1
+
+    def step(self, body: Mapping[str, Any], spec: EPDDeploymentSpec, tuning: Mapping[str, Any]) -> None:
+        from easerve_operator.reconcile.adapt_loop import AdaptLoop, PrometheusRates
+        from easerve_operator.reconcile.effective import resolve
+
+        raw = dict(body.get("spec") or {})
+        status = body.get("status") or {}
+        r = resolve(raw, spec, tuning, status.get("effective"))
+        if r.spec is None:
+            return
+        url = spec.observability.prometheus_url or self.default_url()
+        if not url:
+            self.write({"message": "spec.tuning.adapt needs a Prometheus: set spec.observability.prometheusUrl "
+                        "or the operator's --prometheus-url (chart: monitoring.prometheusUrl)"}, force=False)
+            return
+        if self.loop is None or url != self.url:
+            self.loop, self.url = AdaptLoop(PrometheusRates(url, self.namespace, self.name)), url
+        st = self.loop.step(raw, r.spec, status.get("adapt"))
+        if st is None:
+            return
+        n = len(st.decisions)
+        self.write(st.model_dump(mode="json", by_alias=True), force=n != self.last_decisions)
+        self.last_decisions = n
+
+    def default_url(self) -> str | None:
+        if self.prometheus_default is not None:
+            return self.prometheus_default
+        from easerve_operator.reconcile.handlers import OPTIONS
+
+        return OPTIONS.defaults.prometheus_url
+
+    def write(self, adapt: dict[str, Any], force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self.last_write < ADAPT_WRITE_EVERY_S:
+            return
+        self.last_write = now
+        self.client.patch_status(self.namespace, self.name, {"adapt": adapt})
 
 
 def all_details(result: Any, reporter: SearchReporter, trials_on: str) -> list[dict[str, Any]]:

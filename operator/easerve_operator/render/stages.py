@@ -23,6 +23,7 @@ from easerve_runtime.api import (
     Stage,
     dynamo_namespace,
 )
+from easerve_runtime.policies.knobs import LIVE_FIELDS
 
 STAGES = (str(Stage.ENCODE), str(Stage.PREFILL), str(Stage.DECODE))
 
@@ -95,11 +96,18 @@ def runtime_config(name: str, namespace: str, spec: EPDDeploymentSpec) -> Runtim
 
 def stage_config_hash(config: RuntimeConfig, stage: str) -> str:
     """Hash of what the processes of ``stage``'s pods read; the whole config for a stage (omni)
-    not in ``STAGE_FIELDS``."""
+    not in ``STAGE_FIELDS``. The encode pods' hash leaves out the live knobs (B, the dispatch
+    parameters, s: ``policies.knobs.LIVE_FIELDS``): their workers follow the ConfigMap and take
+    a change without a restart, so it must not roll them. A change of s across 1 still rolls: the
+    pod's containers differ (local prefill)."""
     if stage not in STAGE_FIELDS:
         return config_hash(config)
     spec = config.spec.wire()
     view = {k: spec.get(k) for k in STAGE_FIELDS[stage]}
+    if stage == str(Stage.ENCODE):  # live knobs reach running workers through the ConfigMap: no roll
+        for sec, fields in LIVE_FIELDS.items():
+            if isinstance(view.get(sec), dict):
+                view[sec] = {k: v for k, v in view[sec].items() if k not in fields}
     view["_dynamoNamespace"] = config.dynamo_namespace
     return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
 

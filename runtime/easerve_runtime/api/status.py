@@ -188,10 +188,11 @@ class EffectiveConfig(Model):
     source: Literal["spec", "tuning"] = Field(
         default="spec", description="tuning when any value below came from the HAS search."
     )
-    sources: dict[str, Literal["spec", "tuned", "default"]] = Field(
+    sources: dict[str, Literal["spec", "tuned", "adapted", "default"]] = Field(
         default_factory=dict,
         description="Per searched field (allocation, encode.batchBound, offload.ratio, smPartition.mode): "
-        "spec (written in the manifest), tuned (status.tuning's result fills the unset field) or default.",
+        "spec (written in the manifest), tuned (status.tuning's result fills the unset field), adapted "
+        "(the autopilot's live value, status.adapt) or default.",
     )
 
 
@@ -307,6 +308,38 @@ class TuningStatus(Model):
     )
 
 
+class AdaptKnobs(Model):
+    batch_bound: int
+    offload_ratio: float
+
+
+class AdaptDecisionStatus(Model):
+    """One autopilot change: when, why, from what to what, and what the twin expects of it."""
+
+    at: str = Field(description="When it was applied (UTC).")
+    kind: Literal["retune", "rollback"]
+    observed_rate: float = Field(description="Arrival rate that triggered it (req/s, model time).")
+    reference_rate: float = Field(description="The rate the knobs in force before it were tuned for.")
+    old: AdaptKnobs
+    new: AdaptKnobs
+    predicted_goodput: float | None = Field(default=None, description="The twin's goodput for the new knobs.")
+    reason: str
+    recommended_allocation: str | None = None
+
+
+class AdaptStatus(Model):
+    """The autopilot (``spec.tuning.adapt``): the live knobs it keeps in force and what it changed."""
+
+    knobs: AdaptKnobs = Field(description="B and s in force (fill spec.encode.batchBound / spec.offload.ratio when unset).")
+    reference_rate: float = Field(description="The rate the knobs in force were chosen for (req/s).")
+    observed_rate: float | None = Field(default=None, description="Latest arrival rate read from Prometheus (req/s).")
+    good_fraction: float | None = Field(default=None, description="Latest goodput / arrival rate at the objective tier.")
+    observed_at: str | None = None
+    pinned: list[str] = Field(default_factory=list, description="Knobs the spec writes explicitly (never moved).")
+    decisions: list[AdaptDecisionStatus] = Field(default_factory=list, description="Changes, newest last (20 kept).")
+    message: str | None = None
+
+
 class EPDDeploymentStatus(Model):
     observed_generation: int | None = None
     phase: Phase = Phase.PENDING
@@ -316,3 +349,4 @@ class EPDDeploymentStatus(Model):
     ready_summary: str | None = Field(default=None, description="Ready pods per stage, e.g. 2/2,1/1,2/2.")
     config_hash: str | None = Field(default=None, description="Checksum of the runtime ConfigMap in force.")
     tuning: TuningStatus | None = Field(default=None, description="Progress and result of the HAS search.")
+    adapt: AdaptStatus | None = Field(default=None, description="The autopilot's live knobs and changes.")

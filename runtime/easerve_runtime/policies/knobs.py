@@ -25,8 +25,16 @@ from easerve_runtime.policies.router import DeficitRouter
 
 T = TypeVar("T")
 
-LIVE_PATHS = ("spec.encode", "spec.offload.ratio")
-"""Wire paths a running worker applies without a restart (prefixes)."""
+LIVE_FIELDS: dict[str, tuple[str, ...]] = {
+    "encode": ("batchBound", "dispatch", "maxAgeMs", "gapQuantile", "rateHalfLifeMs", "timeoutMs"),
+    "offload": ("ratio",),
+}
+"""The spec fields a running encode worker applies without a restart (wire names): what
+``reconfigure_batcher`` and ``DeficitRouter.set_ratio`` take. The renderer leaves them out of the
+encode pods' config hash, so changing one rewrites the ConfigMap and the pods take it live instead
+of rolling (``spec.encode.sendWindow`` is not among them: the send window is sized at start)."""
+LIVE_PATHS = tuple(f"spec.{sec}.{f}" for sec, fields in LIVE_FIELDS.items() for f in fields)
+"""The same, as wire paths."""
 
 
 @dataclass(frozen=True)

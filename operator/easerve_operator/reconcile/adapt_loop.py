@@ -1,0 +1,190 @@
+"""The autopilot's shell in the operator: Prometheus in, ``status.adapt`` out (``spec.tuning.adapt``).
+
+The decisions are the pure ``tuning.adapt.Autopilot``'s (band, hold, minimum interval, guard rail
+with rollback; docs/adapt.md). This module feeds it and records what it decides:
+
+1. **Observe.** Every ``period_s`` it asks Prometheus, for the deployment's own series
+   (``{namespace, epd_deployment}``, the chart's PodMonitor labels), for the arrival rate over the
+   last ``window_s`` (``easerve_requests_total``, every outcome: the offered load, refused requests
+   included) and the good fraction (goodput at the objective tier / that rate). A sped-up sim
+   deployment's figures are mapped back to the model's time (``runners.kube.time_scale``), like a
+   cluster trial's.
+2. **Decide.** ``Autopilot.observe``; its re-tuner is the twin (``tuning.adapt.grid_retuner`` over the
+   effective spec: the allocation that runs, only the live knobs move; seconds, not trials), scored
+   at the top of the band.
+3. **Record and apply.** ``status.adapt`` gets the knobs in force, the latest observation and each
+   decision (time, observed rate, old and new knobs, the twin's predicted goodput, why). The
+   reconciler lays ``status.adapt.knobs`` over ``encode.batchBound`` / ``offload.ratio`` when the
+   manifest leaves them unset (``reconcile.effective``), the ConfigMap changes, and the encode
+   workers take the new values live: no pod rolls (their config hash leaves the live knobs out).
+
+Explicit spec values are pinned and never moved, nor is s when the pod layout cannot take another
+value live (s = 1: no local prefill worker; s = 0: no remote pool). The autopilot's state survives
+an operator restart through ``status.adapt`` (knobs and reference rate). Allocation changes are not
+made (``allowAllocationChanges`` would need a roll per change; the grid re-tuner does not search
+allocations): the page says so.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.api.status import AdaptDecisionStatus, AdaptKnobs, AdaptStatus
+
+from easerve_operator.tuning.adapt import (
+    AdaptParams,
+    Autopilot,
+    Decision,
+    Knobs,
+    grid_retuner,
+    twin_evaluator,
+)
+
+log = logging.getLogger(__name__)
+
+DEFAULT_WINDOW_S = 15.0
+KEEP_DECISIONS = 20
+BATCH_GRID = (1, 2, 4, 8, 16)
+RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class RateSource(Protocol):
+    def observe(self, spec: EPDDeploymentSpec) -> tuple[float, float | None] | None:
+        """(arrival rate, good fraction) over the last window, real time; None: nothing to read yet."""
+        ...
+
+
+class PrometheusRates:
+    """``RateSource`` on Prometheus: rate() over the window of the deployment's own series."""
+
+    def __init__(self, url: str, namespace: str, name: str, window_s: float = DEFAULT_WINDOW_S) -> None:
+        from easerve_operator.tuning.prometheus import PrometheusScorer
+
+        self.scorer = PrometheusScorer(url, {"namespace": namespace, "epd_deployment": name}, retries=2)
+        self.window_s = window_s
+
+    def observe(self, spec: EPDDeploymentSpec) -> tuple[float, float | None] | None:
+        sel = self.scorer.selector
+        w = f"{max(1, round(self.window_s))}s"
+        arr = self.scorer.query(f"sum(rate(easerve_requests_total{{{sel}}}[{w}]))")
+        if not arr:
+            return None
+        rate = float(arr[0]["value"][1])
+        if not math.isfinite(rate):
+            return None
+        tier = spec.slo.objective
+        good = self.scorer.query(f'sum(rate(easerve_goodput_requests_total{{{sel},tier="{tier}"}}[{w}]))')
+        g = float(good[0]["value"][1]) if good else 0.0
+        return rate, (min(1.0, g / rate) if rate > 0 else None)
+
+
+def pinned_knobs(raw: Mapping[str, Any], spec: EPDDeploymentSpec) -> frozenset[str]:
+    """Knobs the autopilot must not move: written in the manifest, or (s) fixed by the pod layout."""
+    from easerve_operator.reconcile.effective import unset_fields
+
+    unset = unset_fields(raw)
+    out = set()
+    if "encode.batchBound" not in unset:
+        out.add("batch_bound")
+    s = spec.offload.ratio
+    if "offload.ratio" not in unset or not 0.0 < s < 1.0:
+        out.add("offload_ratio")
+    return frozenset(out)
+
+
+def _iso(t: float) -> str:
+    return datetime.datetime.fromtimestamp(t, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class AdaptLoop:
+    """One deployment's autopilot, stepped by the tuning daemon while no search runs."""
+
+    rates: RateSource
+    clock: Callable[[], float] = time.time
+    requests: int = 200
+    pilot: Autopilot | None = None
+    key: tuple[Any, ...] | None = None
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+
+    def _build(self, spec: EPDDeploymentSpec, pinned: frozenset[str], status: Mapping[str, Any] | None) -> Autopilot:
+        prev = status or {}
+        knobs = prev.get("knobs") or {}
+        cur = Knobs(int(knobs.get("batchBound", spec.encode.batch_bound)),
+                    float(knobs.get("offloadRatio", spec.offload.ratio)))
+        if "batch_bound" in pinned:
+            cur = Knobs(spec.encode.batch_bound, cur.offload_ratio)
+        if "offload_ratio" in pinned:
+            cur = Knobs(cur.batch_bound, spec.offload.ratio)
+        ref = float(prev.get("referenceRate") or spec.tuning.target_rate or 1.0)
+        params = AdaptParams.from_spec(spec.tuning.adapt)
+        evaluate = twin_evaluator(spec, spec.slo.objective, requests=self.requests)
+        holder: list[Autopilot] = []
+        retune = grid_retuner(evaluate, lambda: holder[0].knobs, BATCH_GRID, RATIO_GRID, headroom=params.band)
+        pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
+        holder.append(pilot)
+        self.decisions = list(prev.get("decisions") or [])
+        return pilot
+
+    def step(self, raw: Mapping[str, Any], spec: EPDDeploymentSpec, status: Mapping[str, Any] | None) -> AdaptStatus | None:
+        """One observation; the ``status.adapt`` to write (None: nothing new to say).
+
+        ``spec`` is the effective spec (tuned values in, the autopilot's own knobs not), ``status``
+        the last ``status.adapt``."""
+        from easerve_operator.tuning.runners.kube import time_scale
+
+        pinned = pinned_knobs(raw, spec)
+        key = (spec.allocation.label(), spec.tuning.adapt.model_dump_json(), pinned, spec.tuning.target_rate)
+        if self.pilot is None or key != self.key:
+            self.pilot, self.key = self._build(spec, pinned, status), key
+        pilot = self.pilot
+        try:
+            seen = self.rates.observe(spec)
+        except Exception as exc:  # noqa: BLE001 - Prometheus hiccups: say so, keep the knobs
+            return self._status(pilot, pinned, None, None, f"no observation: {type(exc).__name__}: {exc}"[:300])
+        if seen is None:
+            return self._status(pilot, pinned, None, None, "no traffic observed yet")
+        k = time_scale(spec)
+        rate, good = seen[0] / k, seen[1]
+        now = self.clock()
+        d = pilot.observe(now, rate, good)
+        if d is not None:
+            self.decisions.append(decision_status(d, now))
+            self.decisions = self.decisions[-KEEP_DECISIONS:]
+            log.info("autopilot: %s B %d -> %d, s %g -> %g (%s)", d.kind, d.old.batch_bound, d.new.batch_bound,
+                     d.old.offload_ratio, d.new.offload_ratio, d.reason)
+        return self._status(pilot, pinned, rate, good, None, now)
+
+    def _status(self, pilot: Autopilot, pinned: frozenset[str], rate: float | None, good: float | None,
+                message: str | None, now: float | None = None) -> AdaptStatus:
+        return AdaptStatus(
+            knobs=AdaptKnobs(batch_bound=pilot.knobs.batch_bound, offload_ratio=pilot.knobs.offload_ratio),
+            reference_rate=pilot.reference_rate,
+            observed_rate=rate,
+            good_fraction=good,
+            observed_at=_iso(now) if now is not None else None,
+            pinned=sorted(pinned),
+            decisions=[AdaptDecisionStatus.model_validate(x) for x in self.decisions],
+            message=message,
+        )
+
+
+def decision_status(d: Decision, now: float) -> dict[str, Any]:
+    return {
+        "at": _iso(now),
+        "kind": d.kind,
+        "observedRate": d.observed_rate,
+        "referenceRate": d.reference_rate,
+        "old": {"batchBound": d.old.batch_bound, "offloadRatio": d.old.offload_ratio},
+        "new": {"batchBound": d.new.batch_bound, "offloadRatio": d.new.offload_ratio},
+        "predictedGoodput": d.predicted_goodput,
+        "reason": d.reason,
+        "recommendedAllocation": d.recommended_allocation,
+    }

@@ -1,0 +1,92 @@
+"""The autopilot on the local cluster (issue 14): B and s follow a step in the load while the video
+example serves, through its frontend Service, with no failed request and no pod restart; the operator
+reads the arrival rate from a real Prometheus and records each change in status.adapt.
+
+The deployment's B and s are left to HAS (its search runs on the twin: seconds), the allocation is the
+example's. The sim engine runs 2x faster than modelled (``spec.pod.env``); the trace below is in
+real time, so 2 / 4 / 2 req/s here are 1 / 2 / 1 req/s of the model, which is what the operator
+compares with the tuned rate (1 req/s) after mapping the figures back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from typing import Any
+
+import pytest
+import yaml
+
+from .conftest import REPO, PodsCluster, send_load
+
+pytestmark = [pytest.mark.k8s, pytest.mark.slow]
+EXAMPLE = REPO / "examples" / "qwen2.5-vl-32b.yaml"
+STEPS = ((30.0, 2.0), (45.0, 4.0), (45.0, 2.0))  # (seconds, req/s), real time
+
+
+def step_trace(spec: Any) -> list[Any]:
+    from easerve_runtime.workload import generate
+
+    out, t0 = [], 0.0
+    for i, (dur, rate) in enumerate(STEPS):
+        for r in generate(spec, rate, int(dur * rate * 1.5), seed=40 + i):
+            if r.arrival_s < dur:
+                out.append(dataclasses.replace(r, id=f"s{i}-{r.id}", arrival_s=t0 + r.arrival_s))
+        t0 += dur
+    return out
+
+
+@pytest.mark.timeout(900)
+def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> None:
+    from easerve_runtime.api import load_manifest
+
+    c = pods_cluster
+    ns = c.namespace()
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    sp = doc["spec"]
+    sp["encode"].pop("batchBound")
+    sp.pop("offload")
+    sp["smPartition"].pop("mode")
+    sp["tuning"] = {"enabled": True, "targetRate": 1.0, "trialBudget": 3, "requestsPerTrial": 100, "trials": "twin",
+                    "adapt": {"enabled": True, "band": 0.3, "holdSeconds": 8, "minIntervalSeconds": 15,
+                              "guardWindowSeconds": 10}}
+    sp["observability"] = {"prometheusUrl": c.prometheus_url}
+    sp["pod"] = {"env": [{"name": "EASERVE_SIM_SPEEDUP", "value": "2"}, {"name": "EASERVE_SIM_BYTES_SCALE", "value": "0.01"}]}
+    name = doc["metadata"]["name"]
+    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = c.epd(ns, name).get("status") or {}
+        if (st.get("tuning") or {}).get("phase") == "Ready" and st.get("phase") == "Ready":
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"not Ready: {json.dumps(st)[:1500]}\n{c.diagnose(ns)}")
+    c.wait_ready(ns, name, timeout=120)
+    tuned = st["effective"]
+    pods_before = {p["metadata"]["name"] for p in c.pods(ns, name)}
+    pids_before = dict(c.runner.pids(ns))
+
+    _, spec = load_manifest(str(EXAMPLE))
+    reqs = step_trace(spec)
+    out = send_load(c.frontend_url(ns, name, stage="encode"), EXAMPLE, n=len(reqs), rate=0, reqs=reqs, timeout_s=240)
+    failed = [o.record.error for o in out if not o.record.ok]
+    time.sleep(12)  # the last window's observation
+    st = c.epd(ns, name).get("status") or {}
+    adapt = st.get("adapt") or {}
+    print(json.dumps({"tuned": {k: tuned[k] for k in ("batchBound", "offloadRatio")}, "adapt": adapt,
+                      "effective": st.get("effective"), "failed": failed[:5], "sent": len(reqs)}, indent=1)[:5000])
+    assert not failed, failed[:5]
+    ds = adapt.get("decisions") or []
+    up = [d for d in ds if d["kind"] == "retune" and d["observedRate"] > 1.3]
+    assert up, ds  # the step up to 2 req/s (model) changed the knobs ...
+    assert up[0]["old"] == {"batchBound": tuned["batchBound"], "offloadRatio": tuned["offloadRatio"]}
+    assert up[0]["new"] != up[0]["old"] and up[0]["predictedGoodput"] is not None
+    later = [d for d in ds[ds.index(up[0]) + 1:] if d["observedRate"] < 1.3 or d["kind"] == "rollback"]
+    assert later, ds  # ... and the step down (or the guard rail) changed them again
+    assert {p["metadata"]["name"] for p in c.pods(ns, name)} == pods_before, "no pod was replaced"
+    assert c.runner.pids(ns) == pids_before, "no process restarted"
+    assert adapt["pinned"] == [] and st["effective"]["sources"]["allocation"] == "spec"
+    c.delete_namespace_and_wait(ns)

@@ -1,0 +1,132 @@
+"""The operator's autopilot shell: observations in, ``status.adapt`` out, the knobs laid over the
+unset fields by ``reconcile.effective`` (and reaching the ConfigMap without rolling the encode pods).
+
+The decisions are the pure Autopilot's (tests/tuning/test_adapt.py); here its shell is driven with a
+fake rate source on an injected clock and the real twin as the re-tuner, on the video example whose
+best B moves with the load (B = 1 at 1 req/s, 2 at 2 req/s on the twin).
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import yaml
+from easerve_operator.reconcile.adapt_loop import AdaptLoop, pinned_knobs
+from easerve_operator.reconcile.effective import resolve
+from easerve_operator.render import render_children
+from easerve_runtime.api import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def raw_spec(drop_b: bool = True, drop_s: bool = True) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / "qwen2.5-vl-32b.yaml").read_text())
+    sp = doc["spec"]
+    if drop_b:
+        sp["encode"].pop("batchBound")
+    if drop_s:
+        sp.pop("offload")
+    sp["tuning"] = {"enabled": True, "targetRate": 1.0, "trials": "twin",
+                    "adapt": {"enabled": True, "band": 0.3, "holdSeconds": 6, "minIntervalSeconds": 12,
+                              "guardWindowSeconds": 8}}
+    return sp
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class Rates:
+    """The load a Prometheus would show: a step trace on the injected clock (real time = model time)."""
+
+    def __init__(self, clock: Clock, steps: list[tuple[float, float]]) -> None:
+        self.clock, self.steps, self.t0 = clock, steps, clock.t
+
+    def observe(self, spec: Any) -> tuple[float, float | None]:
+        t = self.clock.t - self.t0
+        rate = next(r for until, r in self.steps if t < until)
+        return rate, 0.95
+
+
+def tuned(raw: dict[str, Any]) -> dict[str, Any]:
+    """A finished search's status.tuning for ``raw`` (B 1, s 0.7: the twin's best at 1 req/s)."""
+    from easerve_operator.reconcile.effective import fingerprint
+
+    spec = parse_spec(raw)
+    return {"state": "Succeeded", "fingerprint": fingerprint(spec), "partition": "dynamic",
+            "best": {"allocation": spec.allocation.label(), "specAllocation": spec.allocation.wire(),
+                     "batchBound": 1, "offloadRatio": 0.7}}
+
+
+def run(raw: dict[str, Any], steps: list[tuple[float, float]], seconds: float) -> tuple[AdaptLoop, list[Any]]:
+    clock = Clock()
+    loop = AdaptLoop(Rates(clock, steps), clock=clock, requests=120)
+    eff = resolve(raw, parse_spec(raw), tuned(raw), None)
+    assert eff.spec is not None
+    status: dict[str, Any] | None = None
+    out = []
+    while clock.t - 1_000_000.0 < seconds:
+        st = loop.step(raw, eff.spec, status)
+        assert st is not None
+        status = st.model_dump(mode="json", by_alias=True)
+        out.append(status)
+        clock.t += 2.0
+    return loop, out
+
+
+def test_b_follows_a_step_in_the_load_and_each_change_is_recorded() -> None:
+    raw = raw_spec()
+    _, out = run(raw, [(30, 1.0), (80, 2.0), (1e9, 1.0)], 130)
+    last = out[-1]
+    ds = last["decisions"]
+    assert [d["observedRate"] for d in ds] == [2.0, 1.0], ds  # one change at each step, none between
+    up, down = ds
+    assert up["old"] == {"batchBound": 1, "offloadRatio": 0.7} and up["new"] != up["old"]
+    assert up["kind"] == "retune" and up["predictedGoodput"] > 0 and "above the band" in up["reason"]
+    assert down["old"] == up["new"] and "below the band" in down["reason"] and up["at"].endswith("Z")
+    assert last["knobs"] == down["new"] and last["referenceRate"] == 1.0
+    assert last["pinned"] == [] and last["observedRate"] == 1.0 and last["goodFraction"] == 0.95
+
+
+def test_explicit_values_are_pinned_and_never_moved() -> None:
+    raw = raw_spec(drop_b=False)  # B written in the manifest
+    spec = resolve(raw, parse_spec(raw), tuned(raw), None).spec
+    assert spec is not None
+    assert pinned_knobs(raw, spec) == frozenset({"batch_bound"})
+    _, out = run(raw, [(30, 1.0), (1e9, 2.0)], 80)
+    assert all(d["new"]["batchBound"] == spec.encode.batch_bound for d in out[-1]["decisions"])
+    assert out[-1]["knobs"]["batchBound"] == spec.encode.batch_bound
+
+
+def test_the_adapted_knobs_run_live_without_rolling_the_encode_pods() -> None:
+    raw = raw_spec()
+    st = {"tuning": tuned(raw)}
+    base = resolve(raw, parse_spec(raw), st["tuning"], None)
+    moved = resolve(raw, parse_spec(raw), st["tuning"], None,
+                    {"knobs": {"batchBound": 2, "offloadRatio": 0.5}})
+    assert base.spec is not None and moved.spec is not None
+    assert moved.spec.encode.batch_bound == 2 and moved.spec.offload.ratio == 0.5
+    assert moved.sources["encode.batchBound"] == "adapted" and moved.key != base.key
+    a = {o["metadata"]["name"]: o for o in render_children("q", "ns", "u", base.spec)}
+    b = {o["metadata"]["name"]: o for o in render_children("q", "ns", "u", moved.spec)}
+    assert a["q-config"]["data"] != b["q-config"]["data"], "the ConfigMap carries the new knobs"
+    for n, o in a.items():
+        if o["kind"] == "Deployment":  # no pod template changes: nothing rolls
+            assert o["spec"]["template"] == b[n]["spec"]["template"], n
+    # an s the pod layout cannot take live (1: no local prefill worker) is not laid over
+    one = resolve(raw, parse_spec(raw), st["tuning"], None, {"knobs": {"batchBound": 2, "offloadRatio": 1.0}})
+    assert one.spec is not None and one.spec.offload.ratio == 0.7
+
+
+def test_adapt_off_lays_nothing_over() -> None:
+    raw = raw_spec()
+    raw2 = copy.deepcopy(raw)
+    raw2["tuning"]["adapt"]["enabled"] = False
+    r = resolve(raw2, parse_spec(raw2), tuned(raw2), None, {"knobs": {"batchBound": 2, "offloadRatio": 0.5}})
+    assert r.spec is not None and r.spec.encode.batch_bound == 1 and r.adapted is None
