@@ -473,6 +473,9 @@ class ProcessRunner:
 
     def stop_all(self, grace: float = 5.0) -> None:
         self._closed.set()
+        if self._refresher is not None:  # no daemon thread in an API call while the interpreter exits
+            self._refresher.join(15)
+            self._refresher = None
         with self._lock:
             runs = list(self._pods.values())
             self._pods.clear()

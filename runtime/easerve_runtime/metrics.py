@@ -45,6 +45,11 @@ class Metrics:
             ["status"],
             registry=r,
         )
+        self.received = Counter(
+            f"{PREFIX}_requests_received",
+            "Chat completion requests received, counted on arrival before admission (the offered load).",
+            registry=r,
+        )
         self.ttft = Histogram(
             f"{PREFIX}_ttft_seconds", "Time to first token, seconds.", buckets=TTFT_BUCKETS, registry=r
         )

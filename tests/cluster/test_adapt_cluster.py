@@ -4,8 +4,10 @@ reads the arrival rate from a real Prometheus and records each change in status.
 
 The deployment's B and s are left to HAS (its search runs on the twin: seconds), the allocation is the
 example's. The sim engine runs 2x faster than modelled (``spec.pod.env``); the trace below is in
-real time, so 2 / 4 / 2 req/s here are 1 / 2 / 1 req/s of the model, which is what the operator
-compares with the tuned rate (1 req/s) after mapping the figures back.
+real time, so 1 / 2.6 / 1 req/s here are 0.5 / 1.3 / 0.5 req/s of the model, which is what the
+operator compares with the tuned rate (1 req/s, band 0.3) after mapping the figures back: each
+segment is out of the band of the one before. (At 2 model req/s this deployment refuses load on this
+host: the admission queue is sized from the profile's capacity.)
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from .conftest import REPO, PodsCluster, send_load
 
 pytestmark = [pytest.mark.k8s, pytest.mark.slow]
 EXAMPLE = REPO / "examples" / "qwen2.5-vl-32b.yaml"
-STEPS = ((30.0, 2.0), (45.0, 4.0), (45.0, 2.0))  # (seconds, req/s), real time
+STEPS = ((30.0, 1.0), (45.0, 2.6), (45.0, 1.0))  # (seconds, req/s), real time: 0.5 / 1.3 / 0.5 of the model
 
 
 def step_trace(spec: Any) -> list[Any]:
@@ -80,12 +82,14 @@ def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> No
                       "effective": st.get("effective"), "failed": failed[:5], "sent": len(reqs)}, indent=1)[:5000])
     assert not failed, failed[:5]
     ds = adapt.get("decisions") or []
-    up = [d for d in ds if d["kind"] == "retune" and d["observedRate"] > 1.3]
-    assert up, ds  # the step up to 2 req/s (model) changed the knobs ...
-    assert up[0]["old"] == {"batchBound": tuned["batchBound"], "offloadRatio": tuned["offloadRatio"]}
-    assert up[0]["new"] != up[0]["old"] and up[0]["predictedGoodput"] is not None
-    later = [d for d in ds[ds.index(up[0]) + 1:] if d["observedRate"] < 1.3 or d["kind"] == "rollback"]
-    assert later, ds  # ... and the step down (or the guard rail) changed them again
+    assert ds and ds[0]["old"] == {"batchBound": tuned["batchBound"], "offloadRatio": tuned["offloadRatio"]}, ds
+    # the step up (0.5 -> 1.3 model req/s) changed the knobs, and the step down changed them again; the
+    # observed rate is the median of the hold window, read while a 10 s rate() window fills, so it lags
+    # a step (it read 1.0 for the 1.3 step in one run): the reasons are asserted, not the exact rates
+    up = [d for d in ds if d["kind"] == "retune" and "above the band" in d["reason"] and d["observedRate"] >= 0.8]
+    assert up and up[0]["new"] != up[0]["old"] and up[0]["predictedGoodput"] is not None, ds
+    later = ds[ds.index(up[0]) + 1:]
+    assert any("below the band" in d["reason"] or d["kind"] == "rollback" for d in later), ds
     assert {p["metadata"]["name"] for p in c.pods(ns, name)} == pods_before, "no pod was replaced"
     assert c.runner.pids(ns) == pids_before, "no process restarted"
     assert adapt["pinned"] == [] and st["effective"]["sources"]["allocation"] == "spec"

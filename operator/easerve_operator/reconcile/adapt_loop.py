@@ -5,8 +5,10 @@ with rollback; docs/adapt.md). This module feeds it and records what it decides:
 
 1. **Observe.** Every ``period_s`` it asks Prometheus, for the deployment's own series
    (``{namespace, epd_deployment}``, the chart's PodMonitor labels), for the arrival rate over the
-   last ``window_s`` (``easerve_requests_total``, every outcome: the offered load, refused requests
-   included) and the good fraction (goodput at the objective tier / that rate). A sped-up sim
+   last ``window_s`` (``easerve_requests_received_total``: counted on arrival, refused requests
+   included, so it leads the completions by a request's latency instead of trailing them: a
+   completion rate under-read the first seconds of every step and the autopilot re-tuned to that
+   ramp) and the good fraction (goodput at the objective tier / completions over the window). A sped-up sim
    deployment's figures are mapped back to the model's time (``runners.kube.time_scale``), like a
    cluster trial's.
 2. **Decide.** ``Autopilot.observe``; its re-tuner is the twin (``tuning.adapt.grid_retuner`` over the
@@ -49,7 +51,7 @@ from easerve_operator.tuning.adapt import (
 
 log = logging.getLogger(__name__)
 
-DEFAULT_WINDOW_S = 15.0
+DEFAULT_WINDOW_S = 10.0
 KEEP_DECISIONS = 20
 BATCH_GRID = (1, 2, 4, 8, 16)
 RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -73,16 +75,18 @@ class PrometheusRates:
     def observe(self, spec: EPDDeploymentSpec) -> tuple[float, float | None] | None:
         sel = self.scorer.selector
         w = f"{max(1, round(self.window_s))}s"
-        arr = self.scorer.query(f"sum(rate(easerve_requests_total{{{sel}}}[{w}]))")
+        arr = self.scorer.query(f"sum(rate(easerve_requests_received_total{{{sel}}}[{w}]))")
         if not arr:
             return None
         rate = float(arr[0]["value"][1])
         if not math.isfinite(rate):
             return None
         tier = spec.slo.objective
+        done = self.scorer.query(f"sum(rate(easerve_requests_total{{{sel}}}[{w}]))")
         good = self.scorer.query(f'sum(rate(easerve_goodput_requests_total{{{sel},tier="{tier}"}}[{w}]))')
+        d = float(done[0]["value"][1]) if done else 0.0
         g = float(good[0]["value"][1]) if good else 0.0
-        return rate, (min(1.0, g / rate) if rate > 0 else None)
+        return rate, (min(1.0, g / d) if d > 0 else None)
 
 
 def pinned_knobs(raw: Mapping[str, Any], spec: EPDDeploymentSpec) -> frozenset[str]:

@@ -278,6 +278,7 @@ class Frontend:
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         t0 = self.clock()
+        self.metrics.received.inc()  # the offered load, counted on arrival (the autopilot's signal)
         if (denied := self._auth(request)) is not None:
             return denied
         if self.draining:
