@@ -18,8 +18,20 @@ completion). ``--json`` prints ``{"step": {"first_rate": ..., "mean_rate": ..., 
 "diurnal": {...}}`` (goodput at the objective tier, req/s) plus details; PNG plots of rate, B, s
 and goodput over time go to ``--plot-dir``.
 
+``--cluster`` adds the same three on the local cluster (``cluster_case``): a local control plane
+whose pods run as processes (sim engine, ``--cluster-speedup`` times faster than modelled), a real
+Prometheus, the operator; each configuration is deployed as an EPDDeployment and the trace is sent
+through its frontend Service: (a) and (b) with B and s written in the spec, (c) with B and s left to
+the operator (its twin search for the first rate, then its autopilot reading Prometheus and changing
+the knobs live through the ConfigMap); (a) runs the knobs (c) started from (the operator's search
+for the first rate), (b) the twin grid's for the mean rate. The trace is compressed by the speed-up and every figure is
+mapped back to the model's time. So that one run stays within minutes, ``--cluster`` shortens the
+traces (``--cluster-segment``, ``--cluster-period``) and the autopilot's timings, and runs the twin
+part on those same traces: the two parts are side by side, request for request.
+
     python benchmarks/adapt.py --json
     python benchmarks/adapt.py -f examples/qwen2.5-vl-32b.yaml --json
+    python benchmarks/adapt.py -f examples/qwen2.5-vl-32b.yaml --layout-ratio 0.7 --cluster --json
 """
 
 from __future__ import annotations
@@ -228,6 +240,90 @@ def run_case(
     return out
 
 
+def _cluster_manifest(path: str, spec: EPDDeploymentSpec, knobs: Knobs | None, first: float,
+                      args: argparse.Namespace, prometheus: str) -> dict[str, Any]:
+    """(a)/(b): B and s written; (c): left to the operator, its search for ``first`` and its autopilot."""
+    import yaml
+
+    doc = yaml.safe_load(Path(path).read_text())
+    sp = doc["spec"]
+    sp["allocation"] = spec.allocation.wire()
+    sp["smPartition"] = spec.sm_partition.wire()
+    sp["observability"] = {"prometheusUrl": prometheus}
+    k = args.cluster_speedup
+    sp["pod"] = {"env": [{"name": "EASERVE_SIM_SPEEDUP", "value": f"{k:g}"},
+                         {"name": "EASERVE_SIM_BYTES_SCALE", "value": "0.01"}]}
+    if knobs is not None:
+        sp["encode"]["batchBound"] = knobs.batch_bound
+        sp["offload"] = {"ratio": knobs.offload_ratio}
+        sp["tuning"] = {"enabled": False, "targetRate": first}
+    else:
+        sp["encode"].pop("batchBound", None)
+        sp.pop("offload", None)
+        sp["tuning"] = {"enabled": True, "targetRate": first, "trials": "twin", "trialBudget": 6,
+                        "requestsPerTrial": 200,
+                        "adapt": {"enabled": True, "band": args.band, "holdSeconds": args.hold / k,
+                                  "minIntervalSeconds": args.min_interval / k, "guardWindowSeconds": args.guard / k}}
+    return dict(doc)
+
+
+def cluster_case(c: Any, path: str, spec: EPDDeploymentSpec, reqs: list[Request], knobs: dict[str, Knobs],
+                 first: float, args: argparse.Namespace) -> dict[str, Any]:
+    """The three configurations on the local cluster, one after the other, the same requests each."""
+    import dataclasses
+
+    import yaml
+    from conftest import send_load  # tests/cluster/conftest.py: open-loop load through a Service
+
+    k = args.cluster_speedup
+    tier = spec.slo.tier(str(spec.slo.objective))
+    real = [dataclasses.replace(r, arrival_s=r.arrival_s / k) for r in reqs]
+    out: dict[str, Any] = {}
+    knobs = dict(knobs)
+    for label in ("autopilot", "first_rate", "mean_rate"):  # (a) runs what (c) started from
+        ns = c.namespace()
+        doc = _cluster_manifest(path, spec, knobs.get(label), first, args, c.prometheus_url)
+        name = doc["metadata"]["name"]
+        r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+        assert r.returncode == 0, r.stderr
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            st = c.epd(ns, name).get("status") or {}
+            tu = st.get("tuning") or {}
+            if st.get("phase") == "Ready" and (label != "autopilot" or tu.get("phase") == "Ready"):
+                break
+            time.sleep(1)
+        c.wait_ready(ns, name, timeout=180)
+        start = c.epd(ns, name)["status"]["effective"]
+        t0 = time.time()
+        outcomes = send_load(c.frontend_url(ns, name), Path(path), n=len(real), rate=0, reqs=real, timeout_s=300)
+        time.sleep(3)
+        st = c.epd(ns, name).get("status") or {}
+        recs = []
+        for o in outcomes:  # back to the model's time
+            rec = o.record
+            recs.append(dataclasses.replace(
+                rec, arrival_s=rec.arrival_s * k,
+                first_token_s=None if rec.first_token_s is None else rec.first_token_s * k,
+                finish_s=None if rec.finish_s is None else rec.finish_s * k))
+        good = sum(1 for x in recs if is_good(x, tier))
+        ends = [x.finish_s for x in recs if x.finish_s is not None]
+        span = (max(ends) - min(x.arrival_s for x in recs)) if ends else 0.0
+        adapt = st.get("adapt") or {}
+        out[label] = {
+            "goodput": good / span if span > 0 else 0.0,
+            "completed": sum(1 for x in recs if x.ok),
+            "failed": sum(1 for x in recs if not x.ok),
+            "start": {"B": start["batchBound"], "s": start["offloadRatio"]},
+            "decisions": adapt.get("decisions", []),
+            "wall_s": round(time.time() - t0, 1),
+        }
+        c.delete_namespace_and_wait(ns)
+        if label == "autopilot":
+            knobs["first_rate"] = Knobs(int(start["batchBound"]), float(start["offloadRatio"]))
+    return out
+
+
 def vars_k(k: Knobs) -> dict[str, Any]:
     return {"B": k.batch_bound, "s": k.offload_ratio}
 
@@ -264,7 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("-f", "--file", default="examples/llava-v1.6-34b.yaml")
     p.add_argument("--json", action="store_true")
-    p.add_argument("--cluster", action="store_true", help="also run on the local cluster (not yet)")
+    p.add_argument("--cluster", action="store_true", help="also run on the local cluster (see the docstring)")
+    p.add_argument("--cluster-speedup", type=float, default=2.0, help="the sim pods' speed-up with --cluster")
+    p.add_argument("--cluster-segment", type=float, default=80.0, help="seconds per step with --cluster (model time)")
+    p.add_argument("--cluster-period", type=float, default=240.0, help="diurnal period with --cluster (model time)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=float, nargs="+", default=[1.0, 4.0, 2.0])
     p.add_argument("--segment", type=float, default=300.0, help="seconds per step")
@@ -303,6 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         print("adapt.py: the spec has no local prefill (s = 1): only B can change live", file=sys.stderr)
         args.ratios = [1.0]
     tier = str(spec.slo.objective)
+    if args.cluster:  # shorter traces, so that the cluster part runs in minutes; the twin runs the same
+        args.segment, args.diurnal_period = args.cluster_segment, args.cluster_period
+        args.window, args.hold, args.min_interval, args.guard = 16.0, 16.0, 30.0, 20.0
     ev = twin_evaluator(spec, tier, requests=args.tune_requests, seed=args.seed)
     out: dict[str, Any] = {}
     details: dict[str, Any] = {}
@@ -312,8 +414,26 @@ def main(argv: list[str] | None = None) -> int:
     }
     Path(args.plot_dir).mkdir(parents=True, exist_ok=True)
     stem = Path(args.file).stem + ("" if args.layout_ratio is None else f"_s{args.layout_ratio:g}")
+    cluster = None
+    if args.cluster:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "cluster"))
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
+        from conftest import running_pods_cluster
+
+        cluster = running_pods_cluster()
+        c = cluster.__enter__()
     for name, (rate, horizon) in cases.items():
         res = run_case(name, spec, rate, horizon, args, ev)
+        if cluster is not None:
+            knobs = {"first_rate": Knobs(res["knobs"]["first_rate"]["B"], res["knobs"]["first_rate"]["s"]),
+                     "mean_rate": Knobs(res["knobs"]["mean_rate"]["B"], res["knobs"]["mean_rate"]["s"])}
+            cres = cluster_case(c, args.file, spec, workload(spec, rate, horizon, args.seed), knobs, rate(0.0), args)
+            cg = {k: cres[k]["goodput"] for k in ("first_rate", "mean_rate", "autopilot")}
+            out.setdefault("cluster", {})[name] = cg | {
+                "autopilot/first_rate": cg["autopilot"] / cg["first_rate"] if cg["first_rate"] else None,
+                "autopilot/mean_rate": cg["autopilot"] / cg["mean_rate"] if cg["mean_rate"] else None,
+                "details": cres,
+            }
         plot(name, res, Path(args.plot_dir) / f"adapt_{stem}_{name}.png")
         g = {k: res[k]["goodput"] for k in ("first_rate", "mean_rate", "autopilot")}
         out[name] = g | {
@@ -333,15 +453,16 @@ def main(argv: list[str] | None = None) -> int:
     out["spec"] = args.file
     out["layout_ratio"] = args.layout_ratio
     out["tier"] = tier
-    out["cluster"] = "not yet: needs the cluster trial runner" if args.cluster else None
+    if cluster is not None:
+        cluster.__exit__(None, None, None)
     out["cpu_s"] = round(time.process_time() - t0, 1)
     if args.json:
         print(json.dumps(out, default=float))
     else:
         for name in cases:
             print(name, {k: round(v, 3) if isinstance(v, float) else v for k, v in out[name].items()})
-        if args.cluster:
-            print("--cluster: not yet: needs the cluster trial runner")
+        for name, v in (out.get("cluster") or {}).items():
+            print("cluster", name, {k: round(x, 3) if isinstance(x, float) else x for k, x in v.items() if k != "details"})
     return 0
 
 

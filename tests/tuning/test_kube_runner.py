@@ -93,7 +93,7 @@ class FakeCluster:
 
     def job_logs(self, namespace: str, name: str) -> str:
         if "-profile-" in name:
-            return twin_profile_log(self.objects[("Job", name)])
+            return twin_profile_log(self.objects[("Job", name)], self.objects[("ConfigMap", name)])
         if self.job_fails:
             return "Traceback: connection refused\n"
         start = self.job_started[name] + 2.0
@@ -110,9 +110,10 @@ class FakeCluster:
         return "bench: starting\n" + json.dumps(rep, indent=1) + "\n"
 
 
-def twin_profile_log(job: dict[str, Any]) -> str:
+def twin_profile_log(job: dict[str, Any], cm: dict[str, Any]) -> str:
     """What the profiling Job prints, with the twin's capacities as its measurements (the fake runs
-    no process; the Job itself runs under the kubelet harness in tests/cluster)."""
+    no process; the Job itself runs under the kubelet harness in tests/cluster). The spec is the one
+    the Job's ConfigMap carries."""
     import yaml
     from easerve_operator.tuning.runners.sim import SimStageProfiler
     from easerve_runtime.api import parse_spec
@@ -120,7 +121,7 @@ def twin_profile_log(job: dict[str, Any]) -> str:
     c = job["spec"]["template"]["spec"]["containers"][0]
     args = c["args"]
     arg = {args[i]: args[i + 1] for i in range(len(args) - 1) if args[i].startswith("--")}
-    manifest = yaml.safe_load(json.dumps(_tuned_manifest(trials="cluster")))
+    manifest = yaml.safe_load(cm["data"]["manifest.yaml"])
     tw = SimStageProfiler(parse_spec(manifest["spec"]), rate=2.0)
     stage = arg["--stage"]
     rep: dict[str, Any] = {"stage": stage, "backend": "sim", "time_scale": 1.0}
@@ -364,6 +365,7 @@ def test_cli_cluster_backend_runs_the_search_through_the_kube_runner(tmp_path, m
     ]
     assert all(t["metrics_source"] == "prometheus" and "job_report" in t for t in trials)
     assert sorted(p.name for p in (tmp_path / "trials").iterdir()) == [f"trial-{k}.json" for k in (1, 2, 3)]
+    assert out["cluster_profile"]["sources"] == {"encode": "job", "prefill": "job", "decode": "job"}  # Stage 1 Jobs
     assert made[0].objects == {}
 
 

@@ -8,8 +8,9 @@
 the trial rolled out as the deployment's children, a load Job, the score from Prometheus) with
 the same search, progress bar and report; each trial's Prometheus figures, the load Job's own
 report and the phase times are in ``<out>/trials/trial-<n>.json`` and in the report under
-``cluster_trials``. Stage 1 still reads the engine profile through the twin's profiler: the
-cluster profiling Jobs are not built yet.
+``cluster_trials``. Its Stage 1 runs as profiling Jobs on the same cluster
+(``runners.kube_profile``; reports under ``--out``/profile, reused by ``--resume``), unless
+``--profile-on twin``.
 
 Shows a progress bar on stderr (trial k/N, best so far), prints the chosen (allocation, B, s)
 with its metrics and the Stage-1 table (every allocation, its capacities and score, kept or
@@ -72,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", action="store_true", help="Print the report as JSON on stdout.")
     cl = parser.add_argument_group("cluster backend")
+    cl.add_argument(
+        "--profile-on", choices=["cluster", "twin"], default="cluster",
+        help="Stage 1 with --backend cluster: profiling Jobs on the cluster (default) or the twin's profiler.",
+    )
     cl.add_argument(
         "--namespace", default=None, help="Namespace of the trials (default: the manifest's, else default)."
     )
@@ -279,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
             return _fail(str(exc))
 
     try:
-        profiler = SimStageProfiler(spec, rate=rate)  # loads the profile: a SpecError names the field
+        profiler: Any = SimStageProfiler(spec, rate=rate)  # loads the profile: a SpecError names the field
         space = space_for(
             spec,
             profiler.min_tp(),
@@ -290,6 +295,12 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         return _fail(str(exc))
+    if args.backend == "cluster" and args.profile_on == "cluster":
+        from easerve_operator.tuning.runners.kube_profile import ClusterStageProfiler
+
+        tps = sorted({a.prefill_tp for a in space.allocations} | {a.decode_tp for a in space.allocations})
+        profiler = ClusterStageProfiler(runner.cluster, name, runner.namespace, spec, rate=rate, tps=tps,
+                                        max_batch=space.max_batch, report_dir=out / "profile", uid=runner.uid)
 
     bar = None
     if not args.no_progress:
@@ -330,6 +341,8 @@ def run(args: argparse.Namespace) -> int:
     report = {"name": name, "file": str(args.file), "backend": args.backend, **result.to_dict()}
     if args.backend == "cluster":
         report["cluster_trials"] = runner.history
+        if hasattr(profiler, "report"):
+            report["cluster_profile"] = profiler.report()
     (out / "report.json").write_text(json.dumps(report, indent=2, sort_keys=True))
     plot_convergence(result, out / "convergence.png")
     if args.json:
