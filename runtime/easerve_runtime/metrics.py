@@ -164,7 +164,7 @@ class Metrics:
         )
         self.stage_requests = Counter(
             f"{PREFIX}_stage_requests",
-            "Requests handled per stage and outcome (ok|error).",
+            "Requests handled per stage and outcome (ok|error|cancelled: the client went away before the stage ran it).",
             ["stage", "status"],
             registry=r,
         )

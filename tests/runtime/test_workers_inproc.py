@@ -8,6 +8,7 @@ test_serve_integration.py.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -290,3 +291,44 @@ def test_encode_worker_passes_the_granted_share(tmp_path: Path) -> None:
 
     prof = asyncio.run(run())
     assert ("encode", (1, 0.5)) in prof.calls
+
+
+def test_a_request_whose_client_went_away_is_dropped_from_its_micro_batch() -> None:
+    """A client disconnect closes the request's handler; the request was already waiting in the
+    batcher (its micro-batch formed meanwhile), and the encoder must not spend time on it."""
+
+    class Recording(SimEngine):
+        batches: list[list[str]] = []
+
+        async def encode(self, batch: Any, sm_share: float = 1.0) -> Any:
+            self.batches.append([b.request_id for b in batch])
+            return await super().encode(batch, sm_share)
+
+    async def run() -> tuple[list[list[str]], list[dict[str, Any]]]:
+        s = spec(ratio=1.0)
+        s = s.model_copy(update={"encode": s.encode.model_copy(update={"dispatch": "fixed-timeout", "timeout_ms": 300.0})})
+        eng = Recording.for_spec(s, speedup=50.0)
+        m = Metrics()
+        dec = DecodeWorker(eng, m)
+        pw = PrefillWorker(eng, m, FakePool({10: dec.generate}))
+        enc = EncodeWorker(s, eng, m, FakePool({1: pw.generate}), None)
+        loops = [asyncio.create_task(x) for x in (enc.run(), pw.run(), dec.run())]
+
+        async def one(i: int) -> list[dict[str, Any]]:
+            req = {"id": f"r{i}", "seed": i, "text_tokens": 4, "max_tokens": 2, "parts": [png_part()]}
+            return [x async for x in enc.generate(req)]
+
+        kept = asyncio.create_task(one(0))
+        gone = asyncio.create_task(one(1))
+        await asyncio.sleep(0.05)  # both wait in the batcher (fixed timeout: 300 ms)
+        gone.cancel()  # the client went away: its handler closes
+        with contextlib.suppress(asyncio.CancelledError):
+            await gone
+        items = await asyncio.wait_for(kept, 10)
+        for t in loops:
+            t.cancel()
+        return Recording.batches, items
+
+    batches, items = asyncio.run(run())
+    assert items[-1].get("done"), items
+    assert batches == [["r0"]], batches  # r1 never reached the encoder

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -172,6 +173,12 @@ class EncodeWorker:
 
     async def _run_batch(self, d: Dispatch[Any]) -> None:
         m = self.metrics
+        gone = [it for it in d.items if str(it[0]["id"]) not in self.streams]
+        if gone:  # their clients went away while they waited in the batcher: no encoder time for them
+            m.stage_requests.labels(self.stage, "cancelled").inc(len(gone))
+            d = dataclasses.replace(d, items=tuple(it for it in d.items if str(it[0]["id"]) in self.streams))
+            if not d.items:
+                return
         m.encode_dispatch.labels(str(d.reason)).inc()
         m.encode_batch_size.observe(len(d.items))
         m.encode_rate.set(self.batcher.rate_estimate if self.batcher.rate_estimate != float("inf") else 0.0)

@@ -40,6 +40,10 @@ class Streams:
     def __len__(self) -> int:
         return len(self._queues)
 
+    def __contains__(self, key: object) -> bool:
+        """Whether someone still waits on ``key`` (False once its handler went away: a client disconnect)."""
+        return key in self._queues
+
     async def drain(self, key: str) -> AsyncIterator[Any]:
         """Yield the items of ``key`` until ``None``; unregisters on exit."""
         q = self._queues[key]
