@@ -274,10 +274,42 @@ def render_load(
         "app.kubernetes.io/component": "load",
         **trial_labels(deployment, n),
     }
+    return job_with_config(name, namespace, labels, deployment, uid, data, image=image, args=args,
+                           deadline_s=deadline_s, container="load")
+
+
+def job_with_config(
+    name: str,
+    namespace: str,
+    labels: Mapping[str, str],
+    deployment: str,
+    uid: str | None,
+    data: Mapping[str, str],
+    *,
+    image: str,
+    args: list[str],
+    deadline_s: int,
+    container: str,
+    env: list[dict[str, str]] | None = None,
+    gpus: int = 0,
+) -> list[dict[str, Any]]:
+    """A ConfigMap of ``data`` mounted at ``LOAD_MOUNT`` and a one-shot Job (no retries, a deadline)
+    running ``args``: what a trial's load generator and a stage's profiler are. Owned by the
+    EPDDeployment when ``uid`` is known, so deleting it deletes them."""
     meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
     if uid:
         meta["ownerReferences"] = [owner_ref(deployment, uid)]
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta), "data": data}
+    c: dict[str, Any] = {
+        "name": container,
+        "image": image,
+        "args": args,
+        "volumeMounts": [{"name": "config", "mountPath": LOAD_MOUNT, "readOnly": True}],
+    }
+    if env:
+        c["env"] = env
+    if gpus:
+        c["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
+    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta), "data": dict(data)}
     job = {
         "apiVersion": "batch/v1",
         "kind": "Job",
@@ -289,15 +321,8 @@ def render_load(
                 "metadata": {"labels": dict(labels)},
                 "spec": {
                     "restartPolicy": "Never",
-                    "containers": [
-                        {
-                            "name": "load",
-                            "image": image,
-                            "args": args,
-                            "volumeMounts": [{"name": "load", "mountPath": LOAD_MOUNT, "readOnly": True}],
-                        }
-                    ],
-                    "volumes": [{"name": "load", "configMap": {"name": name}}],
+                    "containers": [c],
+                    "volumes": [{"name": "config", "configMap": {"name": name}}],
                 },
             },
         },

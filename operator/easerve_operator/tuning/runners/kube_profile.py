@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from easerve_runtime.api import GROUP, EPDDeploymentSpec
+from easerve_runtime.workers.stage_profile import batches_up_to
 
 from easerve_operator.render import render_children
 from easerve_operator.tuning.runners import Probe
@@ -45,8 +46,8 @@ from easerve_operator.tuning.runners.kube import (
     TUNING_OF_LABEL,
     TrialCluster,
     TrialFailed,
+    job_with_config,
     manifest_for,
-    owner_ref,
     time_scale,
     trial_image,
 )
@@ -92,38 +93,10 @@ def render_profile_job(
     name = f"{deployment}-profile-{stage}".replace(".", "-")
     labels = {"app.kubernetes.io/name": "easerve", "app.kubernetes.io/component": "profile",
               **profile_labels(deployment, stage)}
-    meta: dict[str, Any] = {"name": name, "namespace": namespace, "labels": dict(labels)}
-    if uid:
-        meta["ownerReferences"] = [owner_ref(deployment, uid)]
-    cm = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": dict(meta),
-          "data": {"manifest.yaml": json.dumps(manifest_for(deployment, spec))}}
-    container: dict[str, Any] = {
-        "name": "profile",
-        "image": image,
-        "args": ["easerve", "profile-stage", "--spec", f"{LOAD_MOUNT}/manifest.yaml", "--stage", stage, *args],
-        "env": env,
-        "volumeMounts": [{"name": "manifest", "mountPath": LOAD_MOUNT, "readOnly": True}],
-    }
-    if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
-    job = {
-        "apiVersion": "batch/v1",
-        "kind": "Job",
-        "metadata": dict(meta),
-        "spec": {
-            "backoffLimit": 0,
-            "activeDeadlineSeconds": deadline_s,
-            "template": {
-                "metadata": {"labels": dict(labels)},
-                "spec": {
-                    "restartPolicy": "Never",
-                    "containers": [container],
-                    "volumes": [{"name": "manifest", "configMap": {"name": name}}],
-                },
-            },
-        },
-    }
-    return [cm, job]
+    argv = ["easerve", "profile-stage", "--spec", f"{LOAD_MOUNT}/manifest.yaml", "--stage", stage, *args]
+    return job_with_config(name, namespace, labels, deployment, uid,
+                           {"manifest.yaml": json.dumps(manifest_for(deployment, spec))},
+                           image=image, args=argv, deadline_s=deadline_s, container="profile", env=env, gpus=gpus)
 
 
 class ClusterStageProfiler:
@@ -282,7 +255,7 @@ class ClusterStageProfiler:
 
         ref = r.get("local_ref")  # C_P on the local probes' own sample
         c_p = float(ref["value"]) if ref else self.prefill_capacity(min(self.tps)).value
-        c_e = max(self.encode_throughput(b).value for b in _ladder(self.max_batch))
+        c_e = max(self.encode_throughput(b).value for b in batches_up_to(self.max_batch))
         alpha, self.alpha_parts = duty_alpha(at(busy_share) / c_p, at(idle_share) / c_p, c_e, self.rate)
         return alpha
 
@@ -296,11 +269,3 @@ class ClusterStageProfiler:
         return {"sources": sources, "phases_s": dict(self.phases_s), "alpha_parts": dict(self.alpha_parts),
                 "time_scale": time_scale(self.spec),
                 "reports": {k: {kk: vv for kk, vv in v.items()} for k, v in self.reports.items()}}
-
-
-def _ladder(n: int) -> list[int]:
-    out, b = [], 1
-    while b <= n:
-        out.append(b)
-        b *= 2
-    return out
