@@ -4,10 +4,13 @@ The search runs in a kopf daemon (one thread per EPDDeployment that asks for it)
 trials run where ``spec.tuning.trials`` says: ``twin`` (the in-operator simulator, a prediction)
 or ``cluster`` (``runners.kube.KubeRunner``: each trial rolled out as this deployment's children,
 driven by a load Job, scored from Prometheus at ``spec.observability.prometheusUrl`` or the
-operator's ``--prometheus-url``: a measurement). Stage 1 profiles on the twin either way. Progress
-and the result go to ``status.tuning`` (the typed ``TuningStatus``, ``trialsOn`` saying which);
-the operator never writes ``spec``. To adopt the recommendation, copy ``status.tuning.best`` (allocation, batchBound,
-offloadRatio) into the manifest in Git.
+operator's ``--prometheus-url``: a measurement). Stage 1 profiles where the trials run: the twin's
+profiler, or one profiling Job per stage kind (``runners.kube_profile``). Progress (``phase``,
+``currentTrial``, ``etaSeconds``) and the result go to ``status.tuning`` (the typed ``TuningStatus``,
+``trialsOn`` saying which); the operator never writes ``spec``. The result runs where the manifest
+leaves the searched fields unset (``reconcile.effective``); otherwise copy ``status.tuning.best``
+into the manifest in Git. With ``spec.tuning.adapt`` the daemon then runs the autopilot
+(``reconcile.adapt_loop``).
 
 **What identifies a search.** A *fingerprint* of the spec without what the search chooses
 (allocation, B, s) and without ``smPartition.mode``/``staticEncodeSms``: adopting a
@@ -493,8 +496,10 @@ def run_daemon(
 
     ``body`` is kopf's live view of the object (updated by watch events, so it lags behind our
     own status writes); ``client`` writes status. ``make_runner(spec, namespace, name, uid,
-    directory)`` gives the trials' runner and the Prometheus it scores with (default:
-    ``trial_runner`` with the operator's ``--prometheus-url``).
+    directory)`` gives the trials' runner, the Prometheus it scores with and the Stage-1 profiler
+    (default: ``trial_runner`` with the operator's ``--prometheus-url``). Once a search has
+    succeeded, with ``spec.tuning.adapt.enabled`` the loop steps the autopilot every
+    ``ADAPT_PERIOD_S`` instead of idling.
     """
     if make_runner is None:
 
@@ -517,7 +522,7 @@ def run_daemon(
             stopped.wait(5)  # the reconciler reports InvalidSpec; nothing to search
             continue
         current = finished or (body.get("status") or {}).get("tuning") or {}
-        if not needs_search(spec, current):
+        if not needs_search(spec, current):  # idle: finish the phases, run the autopilot
             if deployed(current, body):
                 ready = TuningStatus.model_validate(current).model_copy(update={"phase": TuningPhase.READY})
                 write(ready)
