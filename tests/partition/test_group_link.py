@@ -51,3 +51,46 @@ def test_an_encoder_never_runs_on_the_idle_split_of_a_lagging_or_dead_controller
     assert link.ungranted == 1
     link.close()
     rec.close()
+
+
+def test_a_partner_waits_for_sms_while_its_encoder_holds_them_and_only_a_dead_controller_frees_it(
+    tmp_path: Path,
+) -> None:
+    """The dynamic split grants local prefill 0 SMs while a micro-batch encodes: the partner's batch
+    waits (the event loop stays free) until the split gives it SMs back, as the twin's does; only a
+    wait past its bound (no micro-batch is that long) falls back to the whole GPU."""
+    import asyncio
+
+    from easerve_runtime.workers.partition_link import PartitionLink
+
+    rec = ControlRecordFile(control_path(0, tmp_path), writer=True)
+    rec.write(ControlRecord(132, 0, 132, PolicyCode.ENCODE_BATCH_SPLIT, level=0, primary_batch=8))
+    link = PartitionLink(0, "partner", tmp_path)
+
+    async def encoder_finishes() -> float:
+        async def release() -> None:
+            await asyncio.sleep(0.05)  # the micro-batch ends: the idle split gives the partner all
+            rec.write(ControlRecord(0, 132, 132, PolicyCode.ENCODE_BATCH_SPLIT, level=0, primary_batch=0))
+
+        ticks = 0
+
+        async def loop_alive() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.005)
+
+        alive = asyncio.create_task(loop_alive())
+        t = asyncio.create_task(release())
+        share = await link.granted(4, max_wait_s=5.0)
+        await t
+        alive.cancel()
+        assert ticks >= 3, "the worker's event loop ran while the partner waited"
+        return share
+
+    assert asyncio.run(encoder_finishes()) == 1.0 and link.ungranted == 0  # granted, not a fallback
+    assert link.last is not None and link.last.partner_sms == 132
+    rec.write(ControlRecord(132, 0, 132, PolicyCode.ENCODE_BATCH_SPLIT, level=0, primary_batch=8))
+    assert asyncio.run(link.granted(4, max_wait_s=0.02)) == 1.0 and link.ungranted == 1  # the bound: whole GPU
+    link.close()
+    rec.close()

@@ -12,13 +12,22 @@ a GPU) the share is 1.0: the worker behaves as if it owned the GPU.
 
 The controller reacts to a demand within a tick (0.5 ms), so an encoder that announces a batch
 waits, briefly and bounded (``SETTLE_S``), for a record that answers its batch (the record echoes
-``primary_batch``). A tenant that is still granted no SMs after that (the controller lags, hangs
-or died and left its idle split, where encode gets 0 SMs) runs on the whole GPU rather than on
-one SM: contention is slower than isolation, but starving the encoder stops serving.
+``primary_batch``). An encoder still granted no SMs after that (the controller lags, hangs or died
+and left its idle split, where encode gets 0 SMs) runs on the whole GPU rather than on one SM:
+contention is slower than isolation, but starving the encoder stops serving.
+
+The partner (local prefill) is different: the dynamic split grants it 0 SMs *on purpose* while a
+micro-batch encodes, so a partner batch waits for SMs (``granted``, async: the worker keeps
+receiving envelopes) until the encoder's batch ends, as the twin's local prefill worker does
+(``sim/stages.py``: a zero share pauses it). Only a wait longer than ``PARTNER_WAIT_S`` (no
+micro-batch is that long: the controller is gone) falls back to the whole GPU. Before this, a
+partner granted 0 SMs ran at once on the whole GPU, and on the local cluster (sim engine, nothing
+contends) the candidates with the most local prefill answered faster than the twin predicted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from pathlib import Path
@@ -36,6 +45,9 @@ log = logging.getLogger("easerve.partition")
 
 SETTLE_S = 0.003
 """Longest an encoder waits for the controller to answer its batch (six controller ticks)."""
+PARTNER_WAIT_S = 2.0
+"""Longest a partner waits for SMs while its encoder runs a micro-batch before it takes the whole GPU."""
+PARTNER_POLL_S = 0.0005
 
 
 class PartitionLink:
@@ -88,6 +100,20 @@ class PartitionLink:
             return 1.0
         return min(1.0, sms / rec.total_sms)
 
+    async def granted(self, batch: int, max_wait_s: float = PARTNER_WAIT_S) -> float:
+        """The partner's share for a batch: waits (without blocking the event loop) while the split
+        grants it no SMs, at most ``max_wait_s``; then ``share``'s whole-GPU fallback."""
+        self.demand.write(max(0, batch), True)
+        deadline = time.monotonic() + max_wait_s
+        while True:
+            rec = self._read()
+            if rec is None or rec.total_sms <= 0 or rec.seq == 0 or rec.partner_sms > 0:
+                break
+            if time.monotonic() >= deadline:
+                break
+            await asyncio.sleep(PARTNER_POLL_S)
+        return self.share(batch)
+
     def idle(self) -> None:
         self.demand.write(0, False)
 
@@ -113,6 +139,11 @@ class PartitionGroupLink:
 
     def share(self, batch: int) -> float:
         return min(link.share(batch) for link in self.links)
+
+    async def granted(self, batch: int, max_wait_s: float = PARTNER_WAIT_S) -> float:
+        deadline = time.monotonic() + max_wait_s
+        shares = [await link.granted(batch, max(0.0, deadline - time.monotonic())) for link in self.links]
+        return min(shares)
 
     def idle(self) -> None:
         for link in self.links:

@@ -125,7 +125,7 @@ class PrefillWorker:
                 )
                 for m, _ in batch
             ]
-            share = self.partition.share(len(inputs)) if self.partition is not None else self.sm_share()
+            share = await self.partition.granted(len(inputs)) if self.partition is not None else self.sm_share()
             try:
                 outs = await self.engine.prefill(inputs, share)
             except Exception as exc:
