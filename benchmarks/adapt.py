@@ -310,18 +310,68 @@ def cluster_case(c: Any, path: str, spec: EPDDeploymentSpec, reqs: list[Request]
         ends = [x.finish_s for x in recs if x.finish_s is not None]
         span = (max(ends) - min(x.arrival_s for x in recs)) if ends else 0.0
         adapt = st.get("adapt") or {}
+        decisions = adapt.get("decisions", [])
         out[label] = {
             "goodput": good / span if span > 0 else 0.0,
             "completed": sum(1 for x in recs if x.ok),
             "failed": sum(1 for x in recs if not x.ok),
             "start": {"B": start["batchBound"], "s": start["offloadRatio"]},
-            "decisions": adapt.get("decisions", []),
+            "decisions": decisions,
             "wall_s": round(time.time() - t0, 1),
+            "series": cluster_series(recs, tier, decisions, start, t0, k, span),
         }
         c.delete_namespace_and_wait(ns)
         if label == "autopilot":
             knobs["first_rate"] = Knobs(int(start["batchBound"]), float(start["offloadRatio"]))
     return out
+
+
+def cluster_series(recs: list[Any], tier: Any, decisions: list[dict[str, Any]], start: dict[str, Any],
+                   t0: float, k: float, span: float, window: float = 10.0) -> list[dict[str, Any]]:
+    """Rate, goodput and the knobs in force per ``window`` of model time (decisions at their times)."""
+    import datetime
+
+    changes = []
+    for d in decisions:
+        at = datetime.datetime.strptime(d["at"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC).timestamp()
+        changes.append(((at - t0) * k, d["new"]))
+    out, t = [], window
+    knobs = {"batchBound": start["batchBound"], "offloadRatio": start["offloadRatio"]}
+    while t <= span + window:
+        for when, new in changes:
+            if when <= t:
+                knobs = new
+        arrived = sum(1 for r in recs if t - window < r.arrival_s <= t)
+        good = sum(1 for r in recs if r.finish_s is not None and t - window < r.finish_s <= t and is_good(r, tier))
+        out.append({"t": t, "rate": arrived / window, "goodput": good / window,
+                    "B": knobs["batchBound"], "s": knobs["offloadRatio"]})
+        t += window
+    return out
+
+
+def plot_cluster(name: str, res: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
+    for label in ("first_rate", "mean_rate", "autopilot"):
+        s = res[label]["series"]
+        t = [r["t"] for r in s]
+        if label == "autopilot":
+            ax[0].plot(t, [r["rate"] for r in s], color="black", label="offered rate (client)")
+        ax[1].step(t, [r["B"] for r in s], where="post", label=label)
+        ax[2].step(t, [r["s"] for r in s], where="post", label=label)
+        ax[3].plot(t, [r["goodput"] for r in s], label=f"{label} ({res[label]['goodput']:.3f} req/s)")
+    for a, y in zip(ax, ("arrival rate (req/s)", "B", "s", "goodput (req/s)"), strict=True):
+        a.set_ylabel(y)
+        a.legend(fontsize=7)
+    ax[3].set_xlabel("time (s, model time)")
+    fig.suptitle(f"autopilot on the local cluster (measured, sim pods): {name} trace")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
 
 
 def vars_k(k: Knobs) -> dict[str, Any]:
@@ -428,6 +478,7 @@ def main(argv: list[str] | None = None) -> int:
             knobs = {"first_rate": Knobs(res["knobs"]["first_rate"]["B"], res["knobs"]["first_rate"]["s"]),
                      "mean_rate": Knobs(res["knobs"]["mean_rate"]["B"], res["knobs"]["mean_rate"]["s"])}
             cres = cluster_case(c, args.file, spec, workload(spec, rate, horizon, args.seed), knobs, rate(0.0), args)
+            plot_cluster(name, cres, Path(args.plot_dir) / f"adapt_cluster_{stem}_{name}.png")
             cg = {k: cres[k]["goodput"] for k in ("first_rate", "mean_rate", "autopilot")}
             out.setdefault("cluster", {})[name] = cg | {
                 "autopilot/first_rate": cg["autopilot"] / cg["first_rate"] if cg["first_rate"] else None,

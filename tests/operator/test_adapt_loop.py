@@ -91,6 +91,14 @@ def test_b_follows_a_step_in_the_load_and_each_change_is_recorded() -> None:
     assert up["kind"] == "retune" and up["predictedGoodput"] > 0 and "above the band" in up["reason"]
     assert down["old"] == up["new"] and "below the band" in down["reason"] and up["at"].endswith("Z")
     assert last["knobs"] == down["new"] and last["referenceRate"] == 1.0
+    # each re-tune asks the twin for a better allocation of the budget (recommended, not applied)
+    from easerve_operator.tuning.runners.sim import SimStageProfiler
+    from easerve_operator.tuning.space import space_for
+
+    s = parse_spec(raw)
+    labels = {a.label for a in space_for(s, SimStageProfiler(s).min_tp()).allocations}
+    assert all(d["recommendedAllocation"] in labels | {None} for d in ds)
+    assert all(d["recommendedAllocation"] != s.allocation.label() for d in ds)
     assert last["pinned"] == [] and last["observedRate"] == 1.0 and last["goodFraction"] == 0.95
 
 

@@ -23,12 +23,15 @@ with rollback; docs/adapt.md). This module feeds it and records what it decides:
 Explicit spec values are pinned and never moved, nor is s when the pod layout cannot take another
 value live (s = 1: no local prefill worker; s = 0: no remote pool). The autopilot's state survives
 an operator restart through ``status.adapt`` (knobs and reference rate). Allocation changes are not
-made (``allowAllocationChanges`` would need a roll per change; the grid re-tuner does not search
-allocations): the page says so.
+applied: each re-tune also asks the twin whether another allocation of the budget (the HAS space)
+would do better at the observed rate with the new knobs, and a decision names it
+(``recommendedAllocation``) when it beats the running one by more than ``RECOMMEND_MARGIN``;
+``allowAllocationChanges`` (a roll per change) is not applied yet.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import math
@@ -45,6 +48,7 @@ from easerve_operator.tuning.adapt import (
     Autopilot,
     Decision,
     Knobs,
+    Proposal,
     grid_retuner,
     twin_evaluator,
 )
@@ -53,6 +57,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 10.0
 KEEP_DECISIONS = 20
+RECOMMEND_MARGIN = 0.05
 BATCH_GRID = (1, 2, 4, 8, 16)
 RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -131,11 +136,43 @@ class AdaptLoop:
         params = AdaptParams.from_spec(spec.tuning.adapt)
         evaluate = twin_evaluator(spec, spec.slo.objective, requests=self.requests)
         holder: list[Autopilot] = []
-        retune = grid_retuner(evaluate, lambda: holder[0].knobs, BATCH_GRID, RATIO_GRID, headroom=params.band)
+        grid = grid_retuner(evaluate, lambda: holder[0].knobs, BATCH_GRID, RATIO_GRID, headroom=params.band)
+
+        def retune(rate: float, pin: frozenset[str]) -> Proposal:
+            p = grid(rate, pin)
+            return dataclasses.replace(p, allocation=self._better_allocation(spec, p, rate * (1 + params.band)))
+
         pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
         holder.append(pilot)
         self.decisions = list(prev.get("decisions") or [])
         return pilot
+
+    def _better_allocation(self, spec: EPDDeploymentSpec, p: Proposal, rate: float) -> str | None:
+        """An allocation of the budget that the twin gives more goodput at ``rate`` with ``p``'s knobs."""
+        from easerve_runtime.sim.runner import run_trial
+
+        from easerve_operator.tuning.runners.sim import SimStageProfiler
+        from easerve_operator.tuning.space import Candidate, apply_candidate, space_for
+
+        try:
+            prof = SimStageProfiler(spec)
+            space = space_for(spec, prof.min_tp(), local_tp=prof.local_prefill_tp())
+        except ValueError:
+            return None
+        tier = spec.slo.objective
+        best, best_g = None, p.predicted_goodput * (1 + RECOMMEND_MARGIN)
+        for a in space.allocations:
+            if a.allocation() == spec.allocation:
+                continue
+            s = p.knobs.offload_ratio if p.knobs.offload_ratio in space.s_values(a) else 1.0
+            try:
+                cand = apply_candidate(spec, Candidate(a, p.knobs.batch_bound, s))
+            except ValueError:
+                continue
+            g = float(run_trial(cand, rate, self.requests, 0)["goodput"][tier])
+            if g > best_g:
+                best, best_g = a.label, g
+        return best
 
     def step(self, raw: Mapping[str, Any], spec: EPDDeploymentSpec, status: Mapping[str, Any] | None) -> AdaptStatus | None:
         """One observation; the ``status.adapt`` to write (None: nothing new to say).
