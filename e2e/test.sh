@@ -19,7 +19,7 @@ mypy runtime/easerve_runtime/api runtime/easerve_runtime/policies runtime/easerv
   operator/easerve_operator/reconcile/drift.py operator/easerve_operator/reconcile/loop.py \
   operator/easerve_operator/tuning/stage1.py operator/easerve_operator/tuning/stage2.py \
   operator/easerve_operator/tuning/space.py operator/easerve_operator/tuning/adapt.py \
-  operator/easerve_operator/tuning/prometheus.py
+  operator/easerve_operator/tuning/prometheus.py operator/easerve_operator/reconcile/effective.py
 echo "== CRD in sync with the models"
 easerve crd | diff -u crds/epddeployments.easerve.io.yaml - || {
   echo "crds/ is stale: run 'easerve crd > crds/epddeployments.easerve.io.yaml'" >&2; exit 1; }

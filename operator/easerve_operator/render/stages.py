@@ -106,8 +106,9 @@ def stage_config_hash(config: RuntimeConfig, stage: str) -> str:
     view = {k: spec.get(k) for k in STAGE_FIELDS[stage]}
     if stage == str(Stage.ENCODE):  # live knobs reach running workers through the ConfigMap: no roll
         for sec, fields in LIVE_FIELDS.items():
-            if isinstance(view.get(sec), dict):
-                view[sec] = {k: v for k, v in view[sec].items() if k not in fields}
+            part = view.get(sec)
+            if isinstance(part, dict):
+                view[sec] = {k: v for k, v in part.items() if k not in fields}
     view["_dynamoNamespace"] = config.dynamo_namespace
     return hashlib.sha256(json.dumps(view, sort_keys=True).encode()).hexdigest()[:16]
 
