@@ -158,7 +158,11 @@ def test_progressing_then_ready_as_pods_become_ready(k8s: Any, operator: Any, k8
     assert obj["status"]["stages"]["encode"] == {"desired": 1, "ready": 1}
 
 
-def test_changing_b_updates_config_and_rolls_only_encode(k8s: Any, operator: Any, k8s_namespace: str) -> None:
+def test_changing_b_updates_config_live_and_a_start_time_field_rolls_only_encode(
+    k8s: Any, operator: Any, k8s_namespace: str
+) -> None:
+    """B is a live knob (``policies.knobs.LIVE_FIELDS``): a new B rewrites the ConfigMap and no
+    pod template changes; the SM split's epsilon is read at start, so it rolls encode, and only it."""
     ns, name = k8s_namespace, "llava-v1.6-34b"
     assert apply(k8s, ns, manifest(name)).returncode == 0
     wait_ready(k8s, ns, name)
@@ -171,20 +175,23 @@ def test_changing_b_updates_config_and_rolls_only_encode(k8s: Any, operator: Any
             for d in children(k8s, ns, name)["deployments"]
         }
 
+    def config_spec() -> dict[str, Any]:
+        cm = children(k8s, ns, name)["configmaps"][0]
+        return dict(json.loads(cm["data"]["config.json"])["spec"])
+
     before = hashes()
     assert apply(k8s, ns, manifest(name, encode__batchBound=16)).returncode == 0
+    wait_for("ConfigMap with B=16", lambda: int(config_spec()["encode"]["batchBound"]) == 16)
+    wait_for("status.effective B=16", lambda: get(k8s, ns, "epd", name)["status"]["effective"]["batchBound"] == 16)
+    assert hashes() == before  # taken live: nothing rolls
 
-    def config_b() -> int:
-        cm = children(k8s, ns, name)["configmaps"][0]
-        return int(json.loads(cm["data"]["config.json"])["spec"]["encode"]["batchBound"])
-
-    wait_for("ConfigMap with B=16", lambda: config_b() == 16)
+    assert apply(k8s, ns, manifest(name, encode__batchBound=16, smPartition__epsilon=0.2)).returncode == 0
+    wait_for("ConfigMap with epsilon 0.2", lambda: float(config_spec()["smPartition"]["epsilon"]) == 0.2)
     after = wait_for(
         "new encode template", lambda: (lambda h: h if h["encode"] != before["encode"] else None)(hashes())
     )
     assert after["prefill"] == before["prefill"] and after["decode"] == before["decode"]
     wait_ready(k8s, ns, name)
-    assert get(k8s, ns, "epd", name)["status"]["effective"]["batchBound"] == 16
 
 
 def test_deleted_or_edited_child_is_repaired(k8s: Any, operator: Any, k8s_namespace: str) -> None:
