@@ -66,6 +66,18 @@ def test_band_exit_held_retunes_once_with_the_observed_rate():
     assert len(t.calls) == 1
 
 
+def test_an_idle_deployment_keeps_its_knobs():
+    """The load stops (rate 0 for longer than the hold): there is no rate to tune for, so no
+    re-tune and no call to the re-tuner (the twin cannot even build a workload at 0 req/s)."""
+    ap, t = _pilot()
+    ds = feed(ap, 0, 10, 1.0) + feed(ap, 10, 200, 0.0)
+    assert ds == [] and t.calls == []
+    assert ap.knobs == START and ap.reference_rate == 1.0
+    # traffic comes back out of the band: the autopilot tunes for it as usual
+    ds = feed(ap, 200, 230, 4.0)
+    assert [d.new for d in ds] == [Knobs(16, 0.7)] and ds[0].observed_rate == 4.0
+
+
 def test_noisy_rate_poking_out_of_the_band_does_not_flap():
     """A rate that pokes out of the band at random, but never for the whole hold, never retunes
     (runs of out-of-band samples capped at 5 s < hold 10 s; 40 % of samples are out)."""

@@ -172,6 +172,10 @@ class Autopilot:
             return None
         held = [r for t, r, _ in self._samples if t >= now - self.params.hold_s]
         target = statistics.median(held)
+        if not target > 0:
+            # idle (the load stopped, or has not started): there is no rate to tune for, and
+            # knobs picked for zero would be wrong for whatever comes next; keep them
+            return None
         prop = self.retune(target, self.pinned)
         new = Knobs(
             self.knobs.batch_bound if "batch_bound" in self.pinned else prop.knobs.batch_bound,
