@@ -280,21 +280,20 @@ def test_chunked_encode_equals_one_pass(engines: dict[str, Any]) -> None:
         batch.append(EncodeInput(wire["id"], tuple(part_from_wire(p) for p in wire["parts"]), i,
                                  tuple(wire["messages"])))
     batch.append(EncodeInput("text-only", (), 9, ({"role": "user", "content": [{"type": "text", "text": "hi"}]},)))
-    old = enc.chunk_images
+    old, old_ramp = enc.chunk_images, enc.chunk_ramp
     try:
         enc.chunk_images = 0
         one = enc._encode_sync(batch)
         enc.chunk_images = 1
         assert [len(c) for c in enc._chunks(batch)] == [1, 1, 1, 2]  # the text-only request joins the last
         chunked = enc._encode_sync(batch)
-        enc.chunk_images = 4  # the ramp: a short first chunk, then up to 4; a small remainder joins the last
+        enc.chunk_images, enc.chunk_ramp = 4, True  # the ramp: a short first chunk, then up to 4; a small remainder joins the last
         sixteen = batch[:1] * 16
         assert [len(c) for c in enc._chunks(sixteen)] == [1, 2, 4, 4, 5]
         enc.chunk_ramp = False
         assert [len(c) for c in enc._chunks(sixteen)] == [4, 4, 4, 4]
     finally:
-        enc.chunk_images = old
-        enc.chunk_ramp = True
+        enc.chunk_images, enc.chunk_ramp = old, old_ramp
     assert [e.request_id for e in chunked] == [r.request_id for r in batch]
     for a, b in zip(one, chunked, strict=True):
         assert a.extra == b.extra and a.shape == b.shape and a.dtype == b.dtype
