@@ -134,6 +134,11 @@ class Cluster:
             "(is kube-controller-manager running?)"
         )
 
+    @property
+    def namespaces(self) -> tuple[str, ...]:
+        """The namespaces made by ``namespace()`` and not deleted yet."""
+        return tuple(self._namespaces)
+
     def delete_namespace(self, name: str) -> None:
         """Start deleting a namespace (does not wait; the kubelet harness finishes its pods)."""
         from kubernetes.client.rest import ApiException

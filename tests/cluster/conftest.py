@@ -202,6 +202,22 @@ class PodsCluster:
         return url
 
 
+@pytest.fixture(autouse=True)
+def _reap_test_namespaces(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Delete the namespaces a test made and left behind (a test that fails before its own cleanup):
+    its pods would keep running and take the 2 CPU cores and the node's GPUs from every later test.
+    Namespaces of module fixtures are made before this runs, so they stay for the module."""
+    if "pods_cluster" not in request.fixturenames:
+        yield
+        return
+    c: PodsCluster = request.getfixturevalue("pods_cluster")
+    before = set(c.cluster.namespaces)
+    yield
+    for ns in [n for n in c.cluster.namespaces if n not in before]:
+        c.kubectl("delete", "epd", "--all", "-n", ns, "--wait=true", "--timeout=60s")  # while the operator runs
+        c.delete_namespace_and_wait(ns)
+
+
 @pytest.fixture(scope="package")
 def pods_cluster() -> Iterator[PodsCluster]:
     with running_pods_cluster() as c:
