@@ -119,6 +119,12 @@ class Metrics:
             ["outcome"],
             registry=r,
         )
+        self.encode_items = Counter(
+            f"{PREFIX}_encode_items",
+            "Encoder items (image crops, frame groups, audio windows) of the micro-batches, summed: with "
+            "easerve_encode_batch_seconds the live cost of the encoder, which the autopilot calibrates its twin with.",
+            registry=r,
+        )
         self.encode_seconds = Histogram(
             f"{PREFIX}_encode_batch_seconds",
             "Engine time per encode micro-batch.",

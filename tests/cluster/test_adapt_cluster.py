@@ -99,4 +99,8 @@ def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> No
     assert {p["metadata"]["name"] for p in c.pods(ns, name)} == pods_before, "no pod was replaced"
     assert c.runner.pids(ns) == pids_before, "no process restarted"
     assert adapt["pinned"] == [] and st["effective"]["sources"]["allocation"] == "spec"
+    # each re-tune ran a twin calibrated with the costs the pods measured (read from Prometheus)
+    cal = adapt.get("calibration") or {}
+    assert {"encodeBatchSeconds", "encodeItemsPerBatch", "tpotSeconds"} <= set(cal.get("measured") or {}), cal
+    assert cal["encode"] > 0 and cal["decode"] > 0 and cal["prefill"] == 1.0, cal
     c.delete_namespace_and_wait(ns)

@@ -138,3 +138,54 @@ def test_adapt_off_lays_nothing_over() -> None:
     raw2["tuning"]["adapt"]["enabled"] = False
     r = resolve(raw2, parse_spec(raw2), tuned(raw2), None, {"knobs": {"batchBound": 2, "offloadRatio": 0.5}})
     assert r.spec is not None and r.spec.encode.batch_bound == 1 and r.adapted is None
+
+
+class CostlyRates(Rates):
+    """``Rates`` plus the stage costs a Prometheus would show: the encoder ``factor`` x the profile's."""
+
+    def __init__(self, clock: Clock, steps: list[tuple[float, float]], spec: Any, factor: float) -> None:
+        super().__init__(clock, steps)
+        from easerve_runtime.sim.runner import cached_model
+
+        self.encode_s = cached_model(spec).encode_s(2, 1.0) * factor
+
+    def stage_costs(self, spec: Any) -> Any:
+        from easerve_operator.tuning.adapt import LiveCosts
+
+        return LiveCosts(encode_batch_s=self.encode_s, encode_items_per_batch=2.0, encode_share=1.0)
+
+
+def test_each_retune_calibrates_the_twin_with_the_measured_costs() -> None:
+    """The encoder measured 2.5x slower than the profile: the re-tune's twin runs with that cost
+    (status.adapt.calibration says so), and predicts less goodput for the step than the twin fed
+    costs equal to the profile's (calibration 1.0)."""
+    raw = raw_spec()
+    spec = parse_spec(raw)
+    steps = [(30, 1.0), (1e9, 2.0)]
+    results = {}
+    for factor in (1.0, 2.5):
+        clock = Clock()
+        loop = AdaptLoop(CostlyRates(clock, steps, spec, factor), clock=clock, requests=120)
+        eff = resolve(raw, spec, tuned(raw), None)
+        assert eff.spec is not None
+        status: dict[str, Any] | None = None
+        while clock.t - 1_000_000.0 < 60:
+            st = loop.step(raw, eff.spec, status)
+            assert st is not None
+            status = st.model_dump(mode="json", by_alias=True)
+            clock.t += 2.0
+        assert status is not None
+        results[factor] = status
+    for factor, st in results.items():
+        cal = st["calibration"]
+        assert cal["encode"] == factor and cal["decode"] == 1.0 and cal["prefill"] == 1.0, cal
+        assert cal["measured"]["encodeItemsPerBatch"] == 2.0 and cal["at"].endswith("Z")
+    g1 = results[1.0]["decisions"][0]["predictedGoodput"]
+    g25 = results[2.5]["decisions"][0]["predictedGoodput"]
+    assert g25 < g1, (g1, g25)
+    # the calibration survives an operator restart (read back from status.adapt)
+    loop = AdaptLoop(Rates(Clock(), steps), requests=120)
+    eff = resolve(raw, spec, tuned(raw), None)
+    assert eff.spec is not None
+    loop.step(raw, eff.spec, results[2.5])
+    assert loop.scales.encode == 2.5

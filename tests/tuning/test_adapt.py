@@ -191,3 +191,35 @@ def test_grid_retuner_prefers_goodput_then_ttft_and_keeps_pins():
     p = rt(2.0, frozenset())
     assert p.knobs == Knobs(4, 0.5) and p.predicted_goodput == pytest.approx(2.0)
     assert rt(2.0, frozenset({"offload_ratio"})).knobs == Knobs(4, 1.0)
+
+
+def test_stage_scales_match_the_measured_costs():
+    """The twin's stage costs scaled to the live measurements: measured / predicted, in model time."""
+    from easerve_operator.tuning.adapt import SCALE_BOUNDS, LiveCosts, stage_scales
+    from easerve_runtime.sim.latency import StageScales
+
+    def profile_encode(items: int, share: float) -> float:
+        return 0.01 * items / share  # 10 ms an item on the whole GPU
+
+    calls = []
+
+    def predicted(items: int, share: float) -> float:
+        calls.append((items, share))
+        return profile_encode(items, share)
+
+    # the encoder takes 1.5x the profile's time at its mean batch (4 items) and share (0.5); TPOT 0.8x
+    costs = LiveCosts(encode_batch_s=1.5 * profile_encode(4, 0.5), encode_items_per_batch=4.2, encode_share=0.5,
+                      tpot_s=0.8 * 0.030)
+    sc = stage_scales(costs, predicted, predicted_tpot_s=0.030)
+    assert calls == [(4, 0.5)]
+    assert sc == StageScales(encode=1.5, prefill=1.0, decode=0.8)
+    # a sim deployment 2x faster than modelled: its seconds are half the model's
+    assert stage_scales(costs, profile_encode, 0.030, time_scale=2.0) == StageScales(3.0, 1.0, 1.6)
+    # far off the profile: clamped; nothing measured: the previous calibration stays
+    far = LiveCosts(encode_batch_s=100.0, encode_items_per_batch=1, tpot_s=1e-9)
+    assert stage_scales(far, profile_encode, 0.03) == StageScales(SCALE_BOUNDS[1], 1.0, SCALE_BOUNDS[0])
+    prev = StageScales(1.3, 1.0, 0.9)
+    assert stage_scales(LiveCosts(), profile_encode, None, prev=prev) == prev
+    assert stage_scales(LiveCosts(tpot_s=0.03), profile_encode, None, prev=prev) == prev  # no prediction
+    with pytest.raises(ValueError, match="StageScales.decode"):
+        StageScales(decode=0.0)

@@ -13,7 +13,8 @@ with rollback; docs/adapt.md). This module feeds it and records what it decides:
    cluster trial's.
 2. **Decide.** ``Autopilot.observe``; its re-tuner is the twin (``tuning.adapt.grid_retuner`` over the
    effective spec: the allocation that runs, only the live knobs move; seconds, not trials), scored
-   at the top of the band.
+   at the top of the band, and calibrated first with the stage costs the deployment measured
+   (``stage_costs``: encode micro-batch time and size, mean TPOT; ``tuning.adapt.stage_scales``).
 3. **Record and apply.** ``status.adapt`` gets the knobs in force, the latest observation and each
    decision (time, observed rate, old and new knobs, the twin's predicted goodput, why). The
    reconciler lays ``status.adapt.knobs`` over ``encode.batchBound`` / ``offload.ratio`` when the
@@ -41,16 +42,20 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from easerve_runtime.api import EPDDeploymentSpec
-from easerve_runtime.api.status import AdaptDecisionStatus, AdaptKnobs, AdaptStatus
+from easerve_runtime.api.status import AdaptCalibration, AdaptDecisionStatus, AdaptKnobs, AdaptStatus
+from easerve_runtime.sim.latency import StageScales
 
 from easerve_operator.tuning.adapt import (
     AdaptParams,
     Autopilot,
     Decision,
     Knobs,
+    LiveCosts,
     Proposal,
     grid_retuner,
+    stage_scales,
     twin_evaluator,
+    with_knobs,
 )
 
 log = logging.getLogger(__name__)
@@ -58,6 +63,7 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW_S = 10.0
 KEEP_DECISIONS = 20
 RECOMMEND_MARGIN = 0.05
+CALIBRATION_WINDOWS = 3
 BATCH_GRID = (1, 2, 4, 8, 16)
 RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -65,6 +71,12 @@ RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 class RateSource(Protocol):
     def observe(self, spec: EPDDeploymentSpec) -> tuple[float, float | None] | None:
         """(arrival rate, good fraction) over the last window, real time; None: nothing to read yet."""
+        ...
+
+
+class CostSource(Protocol):
+    def stage_costs(self, spec: EPDDeploymentSpec) -> LiveCosts | None:
+        """The stage costs measured over the calibration window, real time; None: nothing to read."""
         ...
 
 
@@ -92,6 +104,30 @@ class PrometheusRates:
         d = float(done[0]["value"][1]) if done else 0.0
         g = float(good[0]["value"][1]) if good else 0.0
         return rate, (min(1.0, g / d) if d > 0 else None)
+
+    def _scalar(self, expr: str) -> float | None:
+        out = self.scorer.query(expr)
+        if not out:
+            return None
+        v = float(out[0]["value"][1])
+        return v if math.isfinite(v) else None
+
+    def stage_costs(self, spec: EPDDeploymentSpec) -> LiveCosts | None:
+        """Mean encode micro-batch time, items and SM share, and mean TPOT, over ``CALIBRATION_WINDOWS``
+        rate windows (a longer window than the rate's: a cost is an average, it need not react fast)."""
+        sel = self.scorer.selector
+        w = f"{max(1, round(self.window_s * CALIBRATION_WINDOWS))}s"
+
+        def ratio(num: str, den: str) -> float | None:
+            return self._scalar(f"sum(rate({num}{{{sel}}}[{w}])) / sum(rate({den}{{{sel}}}[{w}]))")
+
+        costs = LiveCosts(
+            encode_batch_s=ratio("easerve_encode_batch_seconds_sum", "easerve_encode_batch_seconds_count"),
+            encode_items_per_batch=ratio("easerve_encode_items_total", "easerve_encode_batch_seconds_count"),
+            encode_share=self._scalar(f"avg(avg_over_time(easerve_partition_encode_sm_share{{{sel}}}[{w}]))"),
+            tpot_s=ratio("easerve_tpot_seconds_sum", "easerve_tpot_seconds_count"),
+        )
+        return None if costs == LiveCosts() else costs
 
 
 def pinned_knobs(raw: Mapping[str, Any], spec: EPDDeploymentSpec) -> frozenset[str]:
@@ -122,6 +158,11 @@ class AdaptLoop:
     pilot: Autopilot | None = None
     key: tuple[Any, ...] | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    scales: StageScales = field(default_factory=StageScales)
+    """The twin's live calibration (``tuning.adapt.stage_scales``), recomputed at each re-tune."""
+    costs: LiveCosts | None = None
+    """The latest stage costs read (``CostSource``), kept for the next re-tune."""
+    calibration: AdaptCalibration | None = None
 
     def _build(self, spec: EPDDeploymentSpec, pinned: frozenset[str], status: Mapping[str, Any] | None) -> Autopilot:
         prev = status or {}
@@ -134,18 +175,55 @@ class AdaptLoop:
             cur = Knobs(cur.batch_bound, spec.offload.ratio)
         ref = float(prev.get("referenceRate") or spec.tuning.target_rate or 1.0)
         params = AdaptParams.from_spec(spec.tuning.adapt)
-        evaluate = twin_evaluator(spec, spec.slo.objective, requests=self.requests)
+        evaluate = twin_evaluator(spec, spec.slo.objective, requests=self.requests, scales=lambda: self.scales)
         holder: list[Autopilot] = []
         grid = grid_retuner(evaluate, lambda: holder[0].knobs, BATCH_GRID, RATIO_GRID, headroom=params.band)
 
         def retune(rate: float, pin: frozenset[str]) -> Proposal:
+            self._calibrate(spec, holder[0].knobs, rate)
             p = grid(rate, pin)
             return dataclasses.replace(p, allocation=self._better_allocation(spec, p, rate * (1 + params.band)))
 
         pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
         holder.append(pilot)
         self.decisions = list(prev.get("decisions") or [])
+        cal = prev.get("calibration") or {}
+        try:
+            self.scales = StageScales(float(cal.get("encode", 1.0)), float(cal.get("prefill", 1.0)),
+                                      float(cal.get("decode", 1.0)))
+            self.calibration = AdaptCalibration.model_validate(cal) if cal else None
+        except (TypeError, ValueError):
+            self.scales, self.calibration = StageScales(), None
         return pilot
+
+    def _calibrate(self, spec: EPDDeploymentSpec, knobs: Knobs, rate: float) -> None:
+        """Before a re-tune: scale the twin's stage costs to what the deployment measured, at the
+        knobs in force (the encode cost against the profile; the mean TPOT against the uncalibrated
+        twin's at this rate). Nothing measured: the calibration stays as it was."""
+        from easerve_runtime.sim.runner import cached_model, run_trial
+
+        from easerve_operator.tuning.runners.kube import time_scale
+
+        costs = self.costs
+        if costs is None:
+            return
+        model = cached_model(spec)
+        tpot = None
+        if costs.tpot_s is not None:
+            m = run_trial(with_knobs(spec, knobs), rate, self.requests, 0)
+            tpot = float(m["tpot_mean"]) if m.get("tpot_mean") else None
+        self.scales = stage_scales(costs, lambda items, share: model.encode_s(items, share), tpot,
+                                   time_scale(spec), prev=self.scales)
+        measured = {k: v for k, v in {"encodeBatchSeconds": costs.encode_batch_s,
+                                      "encodeItemsPerBatch": costs.encode_items_per_batch,
+                                      "encodeShare": costs.encode_share,
+                                      "tpotSeconds": costs.tpot_s}.items() if v is not None}
+        if tpot is not None:
+            measured["predictedTpotSeconds"] = tpot
+        self.calibration = AdaptCalibration(encode=self.scales.encode, prefill=self.scales.prefill,
+                                            decode=self.scales.decode, at=_iso(self.clock()), measured=measured)
+        log.info("autopilot: calibration encode x%.2f decode x%.2f (%s)", self.scales.encode, self.scales.decode,
+                 measured)
 
     def _better_allocation(self, spec: EPDDeploymentSpec, p: Proposal, rate: float) -> str | None:
         """An allocation of the budget that the twin gives more goodput at ``rate`` with ``p``'s knobs."""
@@ -192,6 +270,12 @@ class AdaptLoop:
             return self._status(pilot, pinned, None, None, f"no observation: {type(exc).__name__}: {exc}"[:300])
         if seen is None:
             return self._status(pilot, pinned, None, None, "no traffic observed yet")
+        stage_costs = getattr(self.rates, "stage_costs", None)
+        if stage_costs is not None:
+            try:
+                self.costs = stage_costs(spec) or self.costs
+            except Exception as exc:  # noqa: BLE001 - a missing cost keeps the calibration, not the loop
+                log.debug("autopilot: no stage costs: %s", exc)
         k = time_scale(spec)
         rate, good = seen[0] / k, seen[1]
         now = self.clock()
@@ -213,6 +297,7 @@ class AdaptLoop:
             observed_at=_iso(now) if now is not None else None,
             pinned=sorted(pinned),
             decisions=[AdaptDecisionStatus.model_validate(x) for x in self.decisions],
+            calibration=self.calibration,
             message=message,
         )
 

@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from easerve_runtime.api import AdaptSpec
+from easerve_runtime.sim.latency import StageScales
 
 
 @dataclass(frozen=True)
@@ -272,29 +273,105 @@ def grid_retuner(
     return retune
 
 
+def with_knobs(spec: Any, k: Knobs) -> Any:
+    """``spec`` with these live knobs (the allocation and everything else as they are)."""
+    return spec.model_copy(
+        update={
+            "encode": spec.encode.model_copy(update={"batch_bound": k.batch_bound}),
+            "offload": spec.offload.model_copy(update={"ratio": k.offload_ratio}),
+        }
+    )
+
+
 def twin_evaluator(
-    spec: Any, tier: str, requests: int = 200, seed: int = 0
+    spec: Any, tier: str, requests: int = 200, seed: int = 0, scales: Callable[[], StageScales] | None = None
 ) -> Callable[[Knobs, float], tuple[float, float]]:
     """``evaluate(knobs, rate)`` on the twin: the spec with these live knobs, Poisson at ``rate``.
 
     The allocation and layout stay the spec's (only live knobs move), so local prefill workers
-    exist whenever the spec has them, as they do in the running pods. Results are cached.
+    exist whenever the spec has them, as they do in the running pods. ``scales``: the live
+    calibration in force when a call is made (``stage_scales``), read at each call. Results are
+    cached per knobs, rate and calibration.
     """
+    from easerve_runtime.profiles import spec_profile
+    from easerve_runtime.sim.latency import StageModel
     from easerve_runtime.sim.runner import run_trial
 
-    cache: dict[tuple[int, float, float], tuple[float, float]] = {}
+    cache: dict[tuple[Any, ...], tuple[float, float]] = {}
+    models: dict[StageScales, StageModel] = {}
 
     def evaluate(k: Knobs, rate: float) -> tuple[float, float]:
-        key = (k.batch_bound, k.offload_ratio, round(rate, 3))
+        sc = scales() if scales is not None else StageScales()
+        key = (k.batch_bound, k.offload_ratio, round(rate, 3), sc)
         if key not in cache:
-            sp = spec.model_copy(
-                update={
-                    "encode": spec.encode.model_copy(update={"batch_bound": k.batch_bound}),
-                    "offload": spec.offload.model_copy(update={"ratio": k.offload_ratio}),
-                }
-            )
-            m = run_trial(sp, rate, requests, seed)
+            model = None
+            if sc != StageScales():
+                model = models.get(sc)
+                if model is None:
+                    model = models[sc] = StageModel(spec_profile(spec), sc)
+            m = run_trial(with_knobs(spec, k), rate, requests, seed, model=model)
             cache[key] = (float(m["goodput"][tier]), float(m["ttft_mean"] or math.inf))
         return cache[key]
 
     return evaluate
+
+
+@dataclass(frozen=True)
+class LiveCosts:
+    """Stage costs a running deployment measured over a window (real seconds; None: not measured).
+
+    What the autopilot calibrates its twin with: encode from ``easerve_encode_batch_seconds`` and
+    ``easerve_encode_items_total`` (its mean micro-batch time at its mean size and SM share), decode
+    from ``easerve_tpot_seconds`` (the mean TPOT, which the twin predicts for the same knobs and
+    rate). Prefill has no signal of its own (TTFT mixes queueing, encode and transfer), so it
+    keeps the profile's cost."""
+
+    encode_batch_s: float | None = None
+    encode_items_per_batch: float | None = None
+    encode_share: float | None = None
+    tpot_s: float | None = None
+
+
+SCALE_BOUNDS = (0.25, 4.0)
+"""A measured cost this far from the profile is a wrong profile, not a calibration: clamp it."""
+SCALE_STEP = 0.02
+"""Scales are rounded to this (the twin's results are cached per calibration)."""
+
+
+def _ratio(measured: float | None, predicted: float | None, k: float) -> float | None:
+    if measured is None or predicted is None or not (measured > 0 and predicted > 0):
+        return None
+    if not (math.isfinite(measured) and math.isfinite(predicted)):
+        return None
+    lo, hi = SCALE_BOUNDS
+    r = round(round(measured * k / predicted / SCALE_STEP) * SCALE_STEP, 4)
+    return min(hi, max(lo, r))
+
+
+def stage_scales(
+    costs: LiveCosts,
+    predicted_encode_s: Callable[[int, float], float],
+    predicted_tpot_s: float | None,
+    time_scale: float = 1.0,
+    prev: StageScales | None = None,
+) -> StageScales:
+    """The twin's stage-cost multipliers that make it match what the deployment measured.
+
+    ``predicted_encode_s(items, share)``: the profile's time for one micro-batch (unscaled);
+    ``predicted_tpot_s``: the uncalibrated twin's mean TPOT at the knobs and rate in force;
+    ``time_scale``: a sped-up sim deployment's factor (measured seconds × k = model seconds).
+    A stage without a measurement keeps ``prev``'s scale (1.0 at first). The encode ratio is
+    taken at the mean batch (the profile is near-linear in items over a micro-batch's range, so
+    the mean of the times and the time of the mean differ by little; docs/adapt.md)."""
+    prev = prev or StageScales()
+    enc = None
+    if costs.encode_batch_s is not None and costs.encode_items_per_batch:
+        items = max(1, round(costs.encode_items_per_batch))
+        share = min(1.0, max(0.05, costs.encode_share or 1.0))
+        enc = _ratio(costs.encode_batch_s, predicted_encode_s(items, share), time_scale)
+    dec = _ratio(costs.tpot_s, predicted_tpot_s, time_scale)
+    return StageScales(
+        encode=enc if enc is not None else prev.encode,
+        prefill=prev.prefill,
+        decode=dec if dec is not None else prev.decode,
+    )

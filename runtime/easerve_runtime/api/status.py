@@ -327,6 +327,19 @@ class AdaptDecisionStatus(Model):
     recommended_allocation: str | None = None
 
 
+class AdaptCalibration(Model):
+    """The twin's stage-cost multipliers the autopilot re-tunes with, from what the deployment measured."""
+
+    encode: float = Field(description="Measured / profile time of an encode micro-batch (at its mean size and SM share).")
+    prefill: float = Field(description="Prefill multiplier (1: no live signal of its own; the profile's cost).")
+    decode: float = Field(description="Measured / predicted mean TPOT at the knobs and rate in force.")
+    at: str | None = Field(default=None, description="When it was last computed (at a re-tune).")
+    measured: dict[str, float] = Field(
+        default_factory=dict,
+        description="The live figures it came from (encodeBatchSeconds, encodeItemsPerBatch, encodeShare, tpotSeconds; real time).",
+    )
+
+
 class AdaptStatus(Model):
     """The autopilot (``spec.tuning.adapt``): the live knobs it keeps in force and what it changed."""
 
@@ -337,6 +350,9 @@ class AdaptStatus(Model):
     observed_at: str | None = None
     pinned: list[str] = Field(default_factory=list, description="Knobs the spec writes explicitly (never moved).")
     decisions: list[AdaptDecisionStatus] = Field(default_factory=list, description="Changes, newest last (20 kept).")
+    calibration: AdaptCalibration | None = Field(
+        default=None, description="The live calibration of the twin used by the last re-tune (docs/adapt.md)."
+    )
     message: str | None = None
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from easerve_runtime.api import DecodeSpec
@@ -53,11 +54,28 @@ def _tp_kw(fn: Any) -> str | None:
     return None
 
 
-class StageModel:
-    """Cached stage latencies from one profile."""
+@dataclass(frozen=True)
+class StageScales:
+    """Multipliers on the profile's stage times: a twin calibrated against what a running deployment
+    measures (the autopilot's live calibration, docs/adapt.md). 1.0 everywhere is the profile as is."""
 
-    def __init__(self, profile: Any) -> None:
+    encode: float = 1.0
+    prefill: float = 1.0
+    decode: float = 1.0
+
+    def __post_init__(self) -> None:
+        for name in ("encode", "prefill", "decode"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"StageScales.{name}: must be a finite number > 0, got {v}")
+
+
+class StageModel:
+    """Cached stage latencies from one profile (times ``scales``, when given)."""
+
+    def __init__(self, profile: Any, scales: StageScales | None = None) -> None:
         self.profile = profile
+        self.scales = scales or StageScales()
         self._encode: dict[tuple[int, float], float] = {}
         self._prefill: dict[tuple[int, int, float, int], float] = {}
         self._transfer: dict[int, float] = {}
@@ -77,7 +95,7 @@ class StageModel:
         key = (items, share)
         v = self._encode.get(key)
         if v is None:
-            v = self._encode[key] = float(self.profile.encode_s(items, share)) if items > 0 else 0.0
+            v = self._encode[key] = float(self.profile.encode_s(items, share)) * self.scales.encode if items > 0 else 0.0
         return v
 
     # -- prefill --------------------------------------------------------------------------
@@ -94,7 +112,7 @@ class StageModel:
                     kw[self._prefill_tp] = tp
                 if self._prefill_seqs:
                     kw["sequences"] = sequences
-                v = float(self.profile.prefill_s(tokens, min(share, 1.0), **kw))
+                v = float(self.profile.prefill_s(tokens, min(share, 1.0), **kw)) * self.scales.prefill
             self._prefill[key] = v
         return v
 
@@ -113,8 +131,10 @@ class StageModel:
     def decode_step_s(self, batch: int, context_total: float, tp: int = 1) -> float:
         """One decode step of ``batch`` sequences holding ``context_total`` KV tokens in all."""
         if self._decode_tp:
-            return float(self.profile.decode_step_s(batch, context_total, **{self._decode_tp: tp}))
-        return float(self.profile.decode_step_s(batch, context_total))
+            v = float(self.profile.decode_step_s(batch, context_total, **{self._decode_tp: tp}))
+        else:
+            v = float(self.profile.decode_step_s(batch, context_total))
+        return v * self.scales.decode
 
     # -- bytes ----------------------------------------------------------------------------
     def transfer_s(self, nbytes: int) -> float:

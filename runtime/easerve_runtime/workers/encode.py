@@ -195,6 +195,7 @@ class EncodeWorker:
         items = int(items_of(inputs)) if items_of is not None else len(inputs)
         share = self.partition.share(items) if self.partition is not None else self.sm_share(items)
         m.encode_sm_share.set(share)
+        m.encode_items.inc(items)
         t0 = self.clock()
         try:
             embs = await self.engine.encode(inputs, share)
