@@ -317,6 +317,7 @@ def cluster_case(c: Any, path: str, spec: EPDDeploymentSpec, reqs: list[Request]
             "failed": sum(1 for x in recs if not x.ok),
             "start": {"B": start["batchBound"], "s": start["offloadRatio"]},
             "decisions": decisions,
+            "calibration": adapt.get("calibration"),
             "wall_s": round(time.time() - t0, 1),
             "series": cluster_series(recs, tier, decisions, start, t0, k, span),
         }

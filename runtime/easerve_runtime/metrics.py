@@ -125,6 +125,12 @@ class Metrics:
             "easerve_encode_batch_seconds the live cost of the encoder, which the autopilot calibrates its twin with.",
             registry=r,
         )
+        self.encode_profile_seconds = Counter(
+            f"{PREFIX}_encode_profile_seconds",
+            "What the latency profile predicts for the micro-batches run (their items and SM share), summed: "
+            "easerve_encode_batch_seconds_sum over it is how far the encoder is from its profile.",
+            registry=r,
+        )
         self.encode_seconds = Histogram(
             f"{PREFIX}_encode_batch_seconds",
             "Engine time per encode micro-batch.",

@@ -147,12 +147,14 @@ class CostlyRates(Rates):
         super().__init__(clock, steps)
         from easerve_runtime.sim.runner import cached_model
 
+        self.factor = factor
         self.encode_s = cached_model(spec).encode_s(2, 1.0) * factor
 
     def stage_costs(self, spec: Any) -> Any:
         from easerve_operator.tuning.adapt import LiveCosts
 
-        return LiveCosts(encode_batch_s=self.encode_s, encode_items_per_batch=2.0, encode_share=1.0)
+        return LiveCosts(encode_batch_s=self.encode_s, encode_profile_s=self.encode_s / self.factor,
+                         encode_items_per_batch=2.0, encode_share=1.0)
 
 
 def test_each_retune_calibrates_the_twin_with_the_measured_costs() -> None:

@@ -221,5 +221,10 @@ def test_stage_scales_match_the_measured_costs():
     prev = StageScales(1.3, 1.0, 0.9)
     assert stage_scales(LiveCosts(), profile_encode, None, prev=prev) == prev
     assert stage_scales(LiveCosts(tpot_s=0.03), profile_encode, None, prev=prev) == prev  # no prediction
+    # the workers' own sum of the profile's predictions for the batches they ran wins over the
+    # mean-batch fallback (exact where the batch size and the SM share vary)
+    exact = LiveCosts(encode_batch_s=0.06, encode_profile_s=0.05, encode_items_per_batch=4, encode_share=0.5)
+    calls.clear()
+    assert stage_scales(exact, predicted, None).encode == 1.2 and calls == []
     with pytest.raises(ValueError, match="StageScales.decode"):
         StageScales(decode=0.0)

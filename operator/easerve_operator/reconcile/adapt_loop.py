@@ -123,6 +123,7 @@ class PrometheusRates:
 
         costs = LiveCosts(
             encode_batch_s=ratio("easerve_encode_batch_seconds_sum", "easerve_encode_batch_seconds_count"),
+            encode_profile_s=ratio("easerve_encode_profile_seconds_total", "easerve_encode_batch_seconds_count"),
             encode_items_per_batch=ratio("easerve_encode_items_total", "easerve_encode_batch_seconds_count"),
             encode_share=self._scalar(f"avg(avg_over_time(easerve_partition_encode_sm_share{{{sel}}}[{w}]))"),
             tpot_s=ratio("easerve_tpot_seconds_sum", "easerve_tpot_seconds_count"),
@@ -215,6 +216,7 @@ class AdaptLoop:
         self.scales = stage_scales(costs, lambda items, share: model.encode_s(items, share), tpot,
                                    time_scale(spec), prev=self.scales)
         measured = {k: v for k, v in {"encodeBatchSeconds": costs.encode_batch_s,
+                                      "encodeProfileSeconds": costs.encode_profile_s,
                                       "encodeItemsPerBatch": costs.encode_items_per_batch,
                                       "encodeShare": costs.encode_share,
                                       "tpotSeconds": costs.tpot_s}.items() if v is not None}

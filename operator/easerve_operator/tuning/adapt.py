@@ -320,13 +320,16 @@ def twin_evaluator(
 class LiveCosts:
     """Stage costs a running deployment measured over a window (real seconds; None: not measured).
 
-    What the autopilot calibrates its twin with: encode from ``easerve_encode_batch_seconds`` and
-    ``easerve_encode_items_total`` (its mean micro-batch time at its mean size and SM share), decode
-    from ``easerve_tpot_seconds`` (the mean TPOT, which the twin predicts for the same knobs and
-    rate). Prefill has no signal of its own (TTFT mixes queueing, encode and transfer), so it
-    keeps the profile's cost."""
+    What the autopilot calibrates its twin with: encode from ``easerve_encode_batch_seconds`` against
+    ``easerve_encode_profile_seconds_total`` (what the profile predicts for the same micro-batches,
+    summed by the worker, which knows each batch's items and SM share), decode from
+    ``easerve_tpot_seconds`` (the mean TPOT, which the twin predicts for the same knobs and rate).
+    Prefill has no signal of its own (TTFT mixes queueing, encode and transfer), so it keeps the
+    profile's cost."""
 
     encode_batch_s: float | None = None
+    encode_profile_s: float | None = None
+    """The profile's mean time for the same micro-batches (None: a worker without a profile)."""
     encode_items_per_batch: float | None = None
     encode_share: float | None = None
     tpot_s: float | None = None
@@ -357,15 +360,18 @@ def stage_scales(
 ) -> StageScales:
     """The twin's stage-cost multipliers that make it match what the deployment measured.
 
-    ``predicted_encode_s(items, share)``: the profile's time for one micro-batch (unscaled);
+    ``predicted_encode_s(items, share)``: the profile's time for one micro-batch (unscaled), the
+    fallback when the workers do not report ``encode_profile_s``: it is taken at the mean batch and
+    mean share, and the encoder's cost is convex in the share (a batch at 30 % of the SMs takes
+    far more than 3x one at the whole GPU), so it misses by tens of per cent where the split moves;
     ``predicted_tpot_s``: the uncalibrated twin's mean TPOT at the knobs and rate in force;
     ``time_scale``: a sped-up sim deployment's factor (measured seconds × k = model seconds).
-    A stage without a measurement keeps ``prev``'s scale (1.0 at first). The encode ratio is
-    taken at the mean batch (the profile is near-linear in items over a micro-batch's range, so
-    the mean of the times and the time of the mean differ by little; docs/adapt.md)."""
+    A stage without a measurement keeps ``prev``'s scale (1.0 at first)."""
     prev = prev or StageScales()
     enc = None
-    if costs.encode_batch_s is not None and costs.encode_items_per_batch:
+    if costs.encode_batch_s is not None and costs.encode_profile_s:
+        enc = _ratio(costs.encode_batch_s, costs.encode_profile_s, time_scale)
+    elif costs.encode_batch_s is not None and costs.encode_items_per_batch:
         items = max(1, round(costs.encode_items_per_batch))
         share = min(1.0, max(0.05, costs.encode_share or 1.0))
         enc = _ratio(costs.encode_batch_s, predicted_encode_s(items, share), time_scale)

@@ -330,13 +330,14 @@ class AdaptDecisionStatus(Model):
 class AdaptCalibration(Model):
     """The twin's stage-cost multipliers the autopilot re-tunes with, from what the deployment measured."""
 
-    encode: float = Field(description="Measured / profile time of an encode micro-batch (at its mean size and SM share).")
+    encode: float = Field(description="Measured / profile time of the encode micro-batches run (same items and SM shares).")
     prefill: float = Field(description="Prefill multiplier (1: no live signal of its own; the profile's cost).")
     decode: float = Field(description="Measured / predicted mean TPOT at the knobs and rate in force.")
     at: str | None = Field(default=None, description="When it was last computed (at a re-tune).")
     measured: dict[str, float] = Field(
         default_factory=dict,
-        description="The live figures it came from (encodeBatchSeconds, encodeItemsPerBatch, encodeShare, tpotSeconds; real time).",
+        description="The live figures it came from (encodeBatchSeconds, encodeProfileSeconds, encodeItemsPerBatch, "
+        "encodeShare, tpotSeconds, predictedTpotSeconds; per micro-batch or request, real time).",
     )
 
 

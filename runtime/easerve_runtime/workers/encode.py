@@ -96,6 +96,8 @@ class EncodeWorker:
         """Same-host shared memory for the envelopes' bytes (``workers.blobs``); None: base64 inline."""
         metrics.encode_batch_bound.set(spec.encode.batch_bound)
         metrics.offload_ratio.set(s)
+        self._profile_encode_s = _profile_encode(spec)
+        """The profile's time of a micro-batch (items, SM share), for ``easerve_encode_profile_seconds_total``."""
 
     # -- live knobs (docs/adapt.md) ------------------------------------------------------------
     def apply_knobs(self, change: KnobChange) -> Applied:
@@ -196,6 +198,8 @@ class EncodeWorker:
         share = self.partition.share(items) if self.partition is not None else self.sm_share(items)
         m.encode_sm_share.set(share)
         m.encode_items.inc(items)
+        if self._profile_encode_s is not None and items:
+            m.encode_profile_seconds.inc(self._profile_encode_s(items, share))
         t0 = self.clock()
         try:
             embs = await self.engine.encode(inputs, share)
@@ -297,3 +301,24 @@ class EncodeWorker:
                 self.router.prefilled(dest, len(unprefilled))
             for rid in pending:
                 self._fail(rid, "prefill stream ended before the request finished")
+
+
+def _profile_encode(spec: EPDDeploymentSpec) -> Callable[[int, float], float] | None:
+    """``encode_s(items, share)`` of the spec's latency profile (``spec.engine.profile``: what the
+    twin, and the autopilot's re-tunes, time this encoder with), or None when none loads: then the
+    autopilot's calibration falls back to the mean batch (docs/adapt.md)."""
+    try:
+        from easerve_runtime.profiles import spec_profile
+
+        fn = spec_profile(spec).encode_s
+    except (ValueError, OSError, KeyError) as exc:
+        log.info("no latency profile for the calibration metric: %s", exc)
+        return None
+
+    def cost(items: int, share: float) -> float:
+        try:
+            return float(fn(items, share))
+        except ValueError:
+            return 0.0
+
+    return cost
