@@ -228,3 +228,21 @@ def test_stage_scales_match_the_measured_costs():
     assert stage_scales(exact, predicted, None).encode == 1.2 and calls == []
     with pytest.raises(ValueError, match="StageScales.decode"):
         StageScales(decode=0.0)
+
+
+def test_allow_allocation_changes_is_refused_until_built():
+    """A user who asks for applied allocation changes gets a clear admission error, not a field the
+    operator silently ignores (the autopilot only recommends allocations)."""
+    from easerve_runtime.api import parse_spec, spec_errors
+    from pydantic import ValidationError
+
+    _, spec = load_manifest("examples/qwen2.5-vl-32b.yaml")
+    raw = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
+    raw["tuning"]["adapt"] = {"enabled": True, "allowAllocationChanges": True}
+    with pytest.raises(ValidationError) as exc:
+        parse_spec(raw)
+    errs = spec_errors(exc.value)
+    assert any(e.startswith("spec.tuning.adapt.allowAllocationChanges: applying allocation changes is not built")
+               for e in errs), errs
+    raw["tuning"]["adapt"]["allowAllocationChanges"] = False
+    assert parse_spec(raw).tuning.adapt.enabled is True

@@ -27,7 +27,7 @@ an operator restart through ``status.adapt`` (knobs and reference rate). Allocat
 applied: each re-tune also asks the twin whether another allocation of the budget (the HAS space)
 would do better at the observed rate with the new knobs, and a decision names it
 (``recommendedAllocation``) when it beats the running one by more than ``RECOMMEND_MARGIN``;
-``allowAllocationChanges`` (a roll per change) is not applied yet.
+``allowAllocationChanges: true`` (a roll per change) is refused at admission until that is built.
 """
 
 from __future__ import annotations

@@ -349,7 +349,8 @@ class AdaptSpec(Model):
     )
     allow_allocation_changes: bool = Field(
         default=False,
-        description="Apply allocation changes with a roll; by default they are only recommended in status.",
+        description="Apply allocation changes with a roll (not built yet: true is refused); allocation changes are "
+        "recommended in status.",
     )
 
 
