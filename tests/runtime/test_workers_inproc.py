@@ -332,30 +332,3 @@ def test_a_request_whose_client_went_away_is_dropped_from_its_micro_batch() -> N
     batches, items = asyncio.run(run())
     assert items[-1].get("done"), items
     assert batches == [["r0"]], batches  # r1 never reached the encoder
-
-
-def test_a_local_prefill_batch_pauses_while_its_encoder_holds_the_sms() -> None:
-    """The sim engine's local prefill follows its live SM share during a batch, as the twin's does
-    (and a layer-by-layer prefill on a GPU): granted 0 SMs it makes no progress until the split
-    gives SMs back."""
-    eng = SimEngine.for_spec(spec(ratio=0.5), "local-prefill", speedup=100.0)
-    grant = {"share": 0.0}
-    reads: list[float] = []
-
-    def share() -> float:
-        reads.append(grant["share"])
-        return grant["share"]
-
-    eng.share_source = share
-
-    async def run() -> tuple[bool, bool]:
-        task = asyncio.create_task(eng.prefill([PrefillInput("p", 2000, 0, 1)], 1.0))
-        await asyncio.sleep(0.05)
-        paused = not task.done()
-        grant["share"] = 1.0  # the encoder's micro-batch ended
-        await asyncio.wait_for(task, 10)
-        return paused, task.done()
-
-    paused, done = asyncio.run(run())
-    assert paused and done
-    assert 0.0 in reads and reads[-1] == 1.0

@@ -25,8 +25,7 @@ import asyncio
 import hashlib
 import math
 import os
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from easerve_runtime.api import DeploymentMode, EPDDeploymentSpec
@@ -40,13 +39,6 @@ from easerve_runtime.engines.base import (
 )
 from easerve_runtime.workload.media import is_anyres, items_tokens
 
-SHARE_SLICE_S = 0.002
-"""A local prefill batch re-reads its SM share this often (wall seconds): the layer-by-layer prefill
-on a GPU switches green context per layer, the twin re-times the batch at every split change."""
-SHARE_POLL_S = 0.0005
-SHARE_STALL_S = 2.0
-"""Granted no SMs longer than this (no micro-batch is that long: the controller is gone), the batch
-runs at the whole GPU's speed (as ``workers.partition_link`` falls back)."""
 VOCAB_SIZE = 32_000
 EMBED_DTYPE = "bfloat16"
 EMBED_ITEMSIZE = 2
@@ -134,27 +126,6 @@ class SimEngine:
         if seconds > 0:
             await asyncio.sleep(seconds / self.speedup)
 
-    async def _progress(self, seconds_at: Callable[[float], float]) -> None:
-        """Await a batch whose duration at share ``s`` is ``seconds_at(s)``, in slices, at the share
-        in force during each slice (``share_source``); a zero share waits."""
-        assert self.share_source is not None
-        done, stalled = 0.0, None
-        while done < 1.0:
-            share = min(1.0, float(self.share_source()))
-            if share <= 0.0:
-                stalled = stalled or time.monotonic()
-                if time.monotonic() - stalled < SHARE_STALL_S:
-                    await asyncio.sleep(SHARE_POLL_S)
-                    continue
-                share = 1.0
-            stalled = None
-            full = seconds_at(share) / self.speedup
-            if full <= 0:
-                return
-            step = min(SHARE_SLICE_S, (1.0 - done) * full)
-            await asyncio.sleep(step)
-            done += step / full
-
     # -- sizes ----------------------------------------------------------------------------
     def part_items_tokens(self, part: MediaPart) -> tuple[int, int]:
         """(encoder batch slots, embedding rows) of one media part: the twin's own accounting."""
@@ -182,19 +153,10 @@ class SimEngine:
         return out
 
     # -- PrefillEngine --------------------------------------------------------------------
-    share_source: Callable[[], float] | None = None
-    """The live SM share of a local prefill worker (its partition link; None: the share passed in holds
-    for the whole batch). With it the batch's speed follows the split as it changes, the twin's rule
-    (``sim/stages.py``: a zero share pauses the batch until the split changes)."""
-
     async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]:
         tokens = sum(r.prompt_tokens for r in batch)
         if tokens:
-            kw = self._tp_kw()
-            if self.share_source is not None:
-                await self._progress(lambda s: self.profile.prefill_s(tokens, s, sequences=len(batch), **kw))
-            else:
-                await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **kw))
+            await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **self._tp_kw()))
         return [
             PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
             for r in batch

@@ -114,15 +114,6 @@ class PartitionLink:
             await asyncio.sleep(PARTNER_POLL_S)
         return self.share(batch)
 
-    def current_share(self) -> float:
-        """This tenant's SM fraction now (0 while the split grants it none; 1.0 with no controller):
-        a sim engine's local prefill follows it during a batch, as a layer-by-layer prefill does."""
-        rec = self._read()
-        if rec is None or rec.total_sms <= 0 or rec.seq == 0:
-            return 1.0
-        sms = rec.primary_sms if self.role == "primary" else rec.partner_sms
-        return max(0.0, min(1.0, sms / rec.total_sms))
-
     def idle(self) -> None:
         self.demand.write(0, False)
 
@@ -153,9 +144,6 @@ class PartitionGroupLink:
         deadline = time.monotonic() + max_wait_s
         shares = [await link.granted(batch, max(0.0, deadline - time.monotonic())) for link in self.links]
         return min(shares)
-
-    def current_share(self) -> float:
-        return min(link.current_share() for link in self.links)
 
     def idle(self) -> None:
         for link in self.links:

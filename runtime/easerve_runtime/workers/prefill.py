@@ -54,8 +54,6 @@ class PrefillWorker:
         self.batcher: PrefillBatcher[Pending] = PrefillBatcher(max_batch_tokens)
         self.sm_share = sm_share or (lambda: 1.0)
         self.partition = partition
-        if partition is not None and hasattr(engine, "share_source"):
-            engine.share_source = partition.current_share  # the sim engine follows the split mid-batch
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._inflight = 0
