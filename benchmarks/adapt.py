@@ -351,35 +351,17 @@ def cluster_series(recs: list[Any], tier: Any, decisions: list[dict[str, Any]], 
 
 
 def plot_cluster(name: str, res: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(4, 1, figsize=(9, 9), sharex=True)
-    for label in ("first_rate", "mean_rate", "autopilot"):
-        s = res[label]["series"]
-        t = [r["t"] for r in s]
-        if label == "autopilot":
-            ax[0].plot(t, [r["rate"] for r in s], color="black", label="offered rate (client)")
-        ax[1].step(t, [r["B"] for r in s], where="post", label=label)
-        ax[2].step(t, [r["s"] for r in s], where="post", label=label)
-        ax[3].plot(t, [r["goodput"] for r in s], label=f"{label} ({res[label]['goodput']:.3f} req/s)")
-    for a, y in zip(ax, ("arrival rate (req/s)", "B", "s", "goodput (req/s)"), strict=True):
-        a.set_ylabel(y)
-        a.legend(fontsize=7)
-    ax[3].set_xlabel("time (s, model time)")
-    fig.suptitle(f"autopilot on the local cluster (measured, sim pods): {name} trace")
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+    plot(name, res, path, title=f"autopilot on the local cluster (measured, sim pods): {name} trace",
+         rate_label="offered rate (client)", xlabel="time (s, model time)")
 
 
 def vars_k(k: Knobs) -> dict[str, Any]:
     return {"B": k.batch_bound, "s": k.offload_ratio}
 
 
-def plot(name: str, res: dict[str, Any], path: Path) -> None:
+def plot(name: str, res: dict[str, Any], path: Path, *, title: str | None = None,
+         rate_label: str = "observed rate", xlabel: str = "virtual time (s)") -> None:
+    """Rate, B, s and goodput over time of the three configurations (the twin's run by default)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -390,18 +372,15 @@ def plot(name: str, res: dict[str, Any], path: Path) -> None:
         s = res[label]["series"]
         t = [r["t"] for r in s]
         if label == "autopilot":
-            ax[0].plot(t, [r["rate"] for r in s], color="black", label="observed rate")
+            ax[0].plot(t, [r["rate"] for r in s], color="black", label=rate_label)
         ax[1].step(t, [r["B"] for r in s], where="post", label=label)
         ax[2].step(t, [r["s"] for r in s], where="post", label=label)
         ax[3].plot(t, [r["goodput"] for r in s], label=f"{label} ({res[label]['goodput']:.3f} req/s)")
-    ax[0].set_ylabel("arrival rate (req/s)")
-    ax[1].set_ylabel("B")
-    ax[2].set_ylabel("s")
-    ax[3].set_ylabel("goodput (req/s)")
-    ax[3].set_xlabel("virtual time (s)")
-    for a in ax:
+    for a, y in zip(ax, ("arrival rate (req/s)", "B", "s", "goodput (req/s)"), strict=True):
+        a.set_ylabel(y)
         a.legend(fontsize=7)
-    fig.suptitle(f"autopilot on the twin: {name} trace")
+    ax[3].set_xlabel(xlabel)
+    fig.suptitle(title or f"autopilot on the twin: {name} trace")
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)

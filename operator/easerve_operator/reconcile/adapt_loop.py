@@ -76,7 +76,8 @@ class RateSource(Protocol):
 
 class CostSource(Protocol):
     def stage_costs(self, spec: EPDDeploymentSpec) -> LiveCosts | None:
-        """The stage costs measured over the calibration window, real time; None: nothing to read."""
+        """The stage costs measured over the calibration window, real time; None: nothing to read.
+        Optional on a ``RateSource``: the loop reads it (``getattr``) when a re-tune is due."""
         ...
 
 
@@ -159,11 +160,14 @@ class AdaptLoop:
     pilot: Autopilot | None = None
     key: tuple[Any, ...] | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
-    scales: StageScales = field(default_factory=StageScales)
-    """The twin's live calibration (``tuning.adapt.stage_scales``), recomputed at each re-tune."""
-    costs: LiveCosts | None = None
-    """The latest stage costs read (``CostSource``), kept for the next re-tune."""
     calibration: AdaptCalibration | None = None
+    """The twin's live calibration (``tuning.adapt.stage_scales``), recomputed at each re-tune."""
+
+    @property
+    def scales(self) -> StageScales:
+        """The calibration as the twin's stage-cost multipliers (1.0 until a re-tune measured one)."""
+        c = self.calibration
+        return StageScales(c.encode, c.prefill, c.decode) if c is not None else StageScales()
 
     def _build(self, spec: EPDDeploymentSpec, pinned: frozenset[str], status: Mapping[str, Any] | None) -> Autopilot:
         prev = status or {}
@@ -188,24 +192,31 @@ class AdaptLoop:
         pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
         holder.append(pilot)
         self.decisions = list(prev.get("decisions") or [])
-        cal = prev.get("calibration") or {}
+        cal = prev.get("calibration")
         try:
-            self.scales = StageScales(float(cal.get("encode", 1.0)), float(cal.get("prefill", 1.0)),
-                                      float(cal.get("decode", 1.0)))
             self.calibration = AdaptCalibration.model_validate(cal) if cal else None
-        except (TypeError, ValueError):
-            self.scales, self.calibration = StageScales(), None
+            _ = self.scales  # a stored multiplier the twin cannot take (<= 0): start uncalibrated
+        except ValueError:
+            self.calibration = None
         return pilot
 
     def _calibrate(self, spec: EPDDeploymentSpec, knobs: Knobs, rate: float) -> None:
         """Before a re-tune: scale the twin's stage costs to what the deployment measured, at the
         knobs in force (the encode cost against the profile; the mean TPOT against the uncalibrated
-        twin's at this rate). Nothing measured: the calibration stays as it was."""
+        twin's at this rate). The costs are read here, once a re-tune is due, not at every
+        observation. Nothing measured (or no cost source): the calibration stays as it was."""
         from easerve_runtime.sim.runner import cached_model, run_trial
 
         from easerve_operator.tuning.runners.kube import time_scale
 
-        costs = self.costs
+        source = getattr(self.rates, "stage_costs", None)
+        if source is None:
+            return
+        try:
+            costs = source(spec)
+        except Exception as exc:  # noqa: BLE001 - a missing cost keeps the calibration, not the re-tune
+            log.info("autopilot: no stage costs, calibration kept: %s", exc)
+            return
         if costs is None:
             return
         model = cached_model(spec)
@@ -213,8 +224,8 @@ class AdaptLoop:
         if costs.tpot_s is not None:
             m = run_trial(with_knobs(spec, knobs), rate, self.requests, 0)
             tpot = float(m["tpot_mean"]) if m.get("tpot_mean") else None
-        self.scales = stage_scales(costs, lambda items, share: model.encode_s(items, share), tpot,
-                                   time_scale(spec), prev=self.scales)
+        scales = stage_scales(costs, lambda items, share: model.encode_s(items, share), tpot,
+                              time_scale(spec), prev=self.scales)
         measured = {k: v for k, v in {"encodeBatchSeconds": costs.encode_batch_s,
                                       "encodeProfileSeconds": costs.encode_profile_s,
                                       "encodeItemsPerBatch": costs.encode_items_per_batch,
@@ -222,10 +233,9 @@ class AdaptLoop:
                                       "tpotSeconds": costs.tpot_s}.items() if v is not None}
         if tpot is not None:
             measured["predictedTpotSeconds"] = tpot
-        self.calibration = AdaptCalibration(encode=self.scales.encode, prefill=self.scales.prefill,
-                                            decode=self.scales.decode, at=_iso(self.clock()), measured=measured)
-        log.info("autopilot: calibration encode x%.2f decode x%.2f (%s)", self.scales.encode, self.scales.decode,
-                 measured)
+        self.calibration = AdaptCalibration(encode=scales.encode, prefill=scales.prefill,
+                                            decode=scales.decode, at=_iso(self.clock()), measured=measured)
+        log.info("autopilot: calibration encode x%.2f decode x%.2f (%s)", scales.encode, scales.decode, measured)
 
     def _better_allocation(self, spec: EPDDeploymentSpec, p: Proposal, rate: float) -> str | None:
         """An allocation of the budget that the twin gives more goodput at ``rate`` with ``p``'s knobs."""
@@ -272,12 +282,6 @@ class AdaptLoop:
             return self._status(pilot, pinned, None, None, f"no observation: {type(exc).__name__}: {exc}"[:300])
         if seen is None:
             return self._status(pilot, pinned, None, None, "no traffic observed yet")
-        stage_costs = getattr(self.rates, "stage_costs", None)
-        if stage_costs is not None:
-            try:
-                self.costs = stage_costs(spec) or self.costs
-            except Exception as exc:  # noqa: BLE001 - a missing cost keeps the calibration, not the loop
-                log.debug("autopilot: no stage costs: %s", exc)
         k = time_scale(spec)
         rate, good = seen[0] / k, seen[1]
         now = self.clock()
