@@ -104,3 +104,73 @@ def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> No
     assert {"encodeBatchSeconds", "encodeItemsPerBatch", "tpotSeconds"} <= set(cal.get("measured") or {}), cal
     assert cal["encode"] > 0 and cal["decode"] > 0 and cal["prefill"] == 1.0, cal
     c.delete_namespace_and_wait(ns)
+
+
+@pytest.mark.timeout(900)
+def test_an_allowed_allocation_change_rolls_the_pods_under_load(pods_cluster: PodsCluster) -> None:
+    """allowAllocationChanges with the allocation left to HAS: the pods run decode 2x slower than
+    the profile says (``EASERVE_SIM_COST_SCALE``: hardware that differs from its profile), which the
+    operator cannot know until it measures it. The load drops below the tuned band; the re-tune,
+    calibrated with the TPOT read from Prometheus, finds that a decode pool with more GPUs pays,
+    applies it, and the pods roll to it while the load goes on. Every request is answered."""
+    c = pods_cluster
+    ns = c.namespace()
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    sp = doc["spec"]
+    sp.pop("allocation")
+    sp["encode"].pop("batchBound")
+    sp.pop("offload")
+    sp["smPartition"].pop("mode")
+    sp["tuning"] = {"enabled": True, "targetRate": 1.0, "trialBudget": 3, "requestsPerTrial": 100, "trials": "twin",
+                    "adapt": {"enabled": True, "band": 0.3, "holdSeconds": 8, "minIntervalSeconds": 15,
+                              "guardWindowSeconds": 10, "allowAllocationChanges": True}}
+    sp["observability"] = {"prometheusUrl": c.prometheus_url}
+    sp.setdefault("limits", {})["maxQueuedRequests"] = 64
+    sp["pod"] = {"env": [{"name": "EASERVE_SIM_SPEEDUP", "value": "2"}, {"name": "EASERVE_SIM_BYTES_SCALE", "value": "0.01"},
+                         {"name": "EASERVE_SIM_COST_SCALE", "value": "decode=2"}]}
+    name = doc["metadata"]["name"]
+    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 300
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = c.epd(ns, name).get("status") or {}
+        if (st.get("tuning") or {}).get("phase") == "Ready" and st.get("phase") == "Ready":
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"not Ready: {json.dumps(st)[:1500]}\n{c.diagnose(ns)}")
+    c.wait_ready(ns, name, timeout=120)
+    tuned = st["effective"]
+    assert tuned["sources"]["allocation"] == "tuned"
+    pods_before = {p["metadata"]["name"]: p["metadata"]["labels"]["easerve.io/stage"] for p in c.pods(ns, name)}
+
+    # 0.5 model req/s (1 real req/s at 2x): below the band around the tuned 1 req/s
+    out = send_load(c.frontend_url(ns, name, stage="encode"), EXAMPLE, n=150, rate=1.0, seed=50, timeout_s=300)
+    failed = [o.record.error for o in out if not o.record.ok]
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # the roll may outlast the load
+        st = c.epd(ns, name).get("status") or {}
+        adapt = st.get("adapt") or {}
+        if (adapt.get("allocationLabel") and st.get("phase") == "Ready"
+                and (st.get("effective") or {}).get("allocationLabel") == adapt["allocationLabel"]):
+            break
+        time.sleep(2)
+    adapt = st.get("adapt") or {}
+    print(json.dumps({"tuned": tuned, "adapt": adapt, "effective": st.get("effective"), "failed": failed[:5],
+                      "sent": len(out)}, indent=1)[:6000])
+    assert not failed, failed[:5]
+    moves = [d for d in adapt.get("decisions") or [] if d.get("newAllocation")]
+    assert moves, adapt
+    d = moves[0]
+    assert d["oldAllocation"] == tuned["allocationLabel"] and d["newAllocation"] != tuned["allocationLabel"]
+    assert "below the band" in d["reason"] and d["predictedGoodput"] is not None
+    assert adapt["calibration"]["decode"] >= 1.5, adapt["calibration"]  # it measured the slow decode
+    eff = st["effective"]
+    assert eff["allocationLabel"] == adapt["allocationLabel"] == d["newAllocation"]
+    assert eff["sources"]["allocation"] == "adapted"
+    pods_after = {p["metadata"]["name"]: p["metadata"]["labels"]["easerve.io/stage"] for p in c.pods(ns, name)}
+    assert set(pods_after) != set(pods_before), "the pods rolled"
+    spec_now = c.epd(ns, name)["spec"]
+    assert "allocation" not in spec_now, "the operator never writes spec"
+    c.delete_namespace_and_wait(ns)

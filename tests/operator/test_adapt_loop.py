@@ -121,12 +121,14 @@ def test_the_adapted_knobs_run_live_without_rolling_the_encode_pods() -> None:
     assert base.spec is not None and moved.spec is not None
     assert moved.spec.encode.batch_bound == 2 and moved.spec.offload.ratio == 0.5
     assert moved.sources["encode.batchBound"] == "adapted" and moved.key != base.key
-    a = {o["metadata"]["name"]: o for o in render_children("q", "ns", "u", base.spec)}
-    b = {o["metadata"]["name"]: o for o in render_children("q", "ns", "u", moved.spec)}
-    assert a["q-config"]["data"] != b["q-config"]["data"], "the ConfigMap carries the new knobs"
-    for n, o in a.items():
-        if o["kind"] == "Deployment":  # no pod template changes: nothing rolls
-            assert o["spec"]["template"] == b[n]["spec"]["template"], n
+    # keyed by kind too: a Deployment and its Service share a name
+    a = {(o["kind"], o["metadata"]["name"]): o for o in render_children("q", "ns", "u", base.spec)}
+    b = {(o["kind"], o["metadata"]["name"]): o for o in render_children("q", "ns", "u", moved.spec)}
+    assert a["ConfigMap", "q-config"]["data"] != b["ConfigMap", "q-config"]["data"], "the ConfigMap carries the new knobs"
+    deployments = [n for n in a if n[0] == "Deployment"]
+    assert len(deployments) == 3
+    for n in deployments:  # no pod template changes: nothing rolls
+        assert a[n]["spec"]["template"] == b[n]["spec"]["template"], n
     # an s the pod layout cannot take live (1: no local prefill worker) is not laid over
     one = resolve(raw, parse_spec(raw), st["tuning"], None, {"knobs": {"batchBound": 2, "offloadRatio": 1.0}})
     assert one.spec is not None and one.spec.offload.ratio == 0.7
@@ -191,3 +193,98 @@ def test_each_retune_calibrates_the_twin_with_the_measured_costs() -> None:
     assert eff.spec is not None
     loop.step(raw, eff.spec, results[2.5])
     assert loop.scales.encode == 2.5
+
+
+def realloc_raw() -> dict[str, Any]:
+    """The video example with its allocation left to HAS and allocation changes allowed."""
+    raw = raw_spec()
+    raw.pop("allocation")
+    raw["smPartition"].pop("mode")
+    raw["tuning"]["adapt"]["allowAllocationChanges"] = True
+    return raw
+
+
+HAS_PICK = {"encode": {"replicas": 2, "tensorParallel": 1}, "prefill": {"replicas": 2, "tensorParallel": 2},
+            "decode": {"replicas": 1, "tensorParallel": 2}}
+"""What HAS picks for ``realloc_raw`` at 1 req/s on the twin (2E-2P(tp2)-1D(tp2), B 1, s 0.7)."""
+
+
+def tuned_alloc(raw: dict[str, Any]) -> dict[str, Any]:
+    """A finished search's status.tuning for ``realloc_raw``: HAS's pick."""
+    from easerve_operator.reconcile.effective import fingerprint
+
+    spec = parse_spec({**raw, "allocation": HAS_PICK})
+    return {"state": "Succeeded", "fingerprint": fingerprint(parse_spec(raw)), "partition": "dynamic",
+            "best": {"allocation": spec.allocation.label(), "specAllocation": spec.allocation.wire(),
+                     "batchBound": 1, "offloadRatio": 0.7}}
+
+
+class SlowDecodeRates(Rates):
+    """``Rates`` plus a decode measured 2x slower than its profile: the mean TPOT a Prometheus
+    would show is twice the twin's at the knobs, allocation and rate in force."""
+
+    def stage_costs(self, spec: Any) -> Any:
+        from easerve_operator.tuning.adapt import LiveCosts
+        from easerve_runtime.sim.runner import run_trial
+
+        rate = next(r for until, r in self.steps if self.clock.t - self.t0 < until)
+        return LiveCosts(tpot_s=2.0 * float(run_trial(spec, rate, 120, 0)["tpot_mean"]))
+
+
+def test_an_allowed_allocation_change_is_applied_with_a_roll_and_judged_after_it() -> None:
+    """allowAllocationChanges with the allocation unset, and a decode measured 2x slower than its
+    profile: at the drop to 0.5 req/s the calibrated twin prefers a faster decode pool (the HAS
+    pick's TPOT is now over the tier's); the autopilot applies it (status.adapt.allocation),
+    the reconciler lays it over (source ``adapted``) and the rendered pods change (a roll). While
+    the deployment has not shown the new allocation Ready, nothing else is decided; an operator
+    restart keeps the applied allocation."""
+    raw = realloc_raw()
+    spec = parse_spec(raw)
+    st_tuning = tuned_alloc(raw)
+    eff = resolve(raw, spec, st_tuning, None)
+    assert eff.spec is not None and eff.spec.allocation.label() == "2E-2P(tp2)-1D(tp2)"
+    clock = Clock()
+    loop = AdaptLoop(SlowDecodeRates(clock, [(30, 1.0), (1e9, 0.5)]), clock=clock, requests=120)
+    deployment: dict[str, Any] = {"phase": "Ready", "effective": {"allocationLabel": eff.spec.allocation.label()}}
+    status: dict[str, Any] | None = None
+    while clock.t - 1_000_000.0 < 120:
+        st = loop.step(raw, eff.spec, status, deployment=deployment)
+        assert st is not None
+        status = st.model_dump(mode="json", by_alias=True)
+        clock.t += 2.0
+    assert status is not None
+    ds = status["decisions"]
+    assert len(ds) == 1, ds  # the roll never settled: no second decision, no guard verdict
+    d = ds[0]
+    assert d["oldAllocation"] == "2E-2P(tp2)-1D(tp2)", d
+    assert d["newAllocation"] == d["recommendedAllocation"] and d["newAllocation"] != d["oldAllocation"]
+    assert status["calibration"]["decode"] == 2.0
+    assert status["allocationLabel"] == d["newAllocation"] and status["allocation"]
+    assert status["message"] == f"rolling to allocation {d['newAllocation']}"
+    moved = resolve(raw, spec, st_tuning, None, status)
+    assert moved.spec is not None and moved.spec.allocation.label() == d["newAllocation"]
+    assert moved.sources["allocation"] == "adapted" and moved.key != eff.key
+    assert moved.spec.offload.ratio == status["knobs"]["offloadRatio"]
+    before = {(o["kind"], o["metadata"]["name"]): o for o in render_children("q", "ns", "u", eff.spec)}
+    after = {(o["kind"], o["metadata"]["name"]): o for o in render_children("q", "ns", "u", moved.spec)}
+    changed = [n for n, o in after.items() if n[0] == "Deployment" and (n not in before or o["spec"] != before[n]["spec"])]
+    assert changed, "the new allocation changes the pods"
+    # the roll ends: status.effective shows the new allocation Ready; the guard window starts
+    deployment = {"phase": "Ready", "effective": {"allocationLabel": d["newAllocation"]}}
+    st2 = loop.step(raw, eff.spec, status, deployment=deployment)
+    assert st2 is not None and st2.message is None
+    # an operator restart: a new loop reads the applied allocation back from status.adapt
+    again = AdaptLoop(Rates(Clock(), [(1e9, 0.5)]), requests=120)
+    st3 = again.step(raw, eff.spec, status, deployment=deployment)
+    assert st3 is not None and st3.allocation_label == d["newAllocation"]
+
+
+def test_an_explicit_allocation_is_only_recommended_even_when_changes_are_allowed() -> None:
+    raw = raw_spec()  # the example's allocation is written in the manifest
+    raw["tuning"]["adapt"]["allowAllocationChanges"] = True
+    _, out = run(raw, [(30, 1.0), (1e9, 2.0)], 60)
+    ds = out[-1]["decisions"]
+    assert ds and all(d["newAllocation"] is None for d in ds), ds
+    assert any(d["recommendedAllocation"] for d in ds) and out[-1]["allocation"] is None
+    r = resolve(raw, parse_spec(raw), tuned(raw), None, {**out[-1], "allocation": tuned_alloc(raw)["best"]["specAllocation"]})
+    assert r.sources["allocation"] == "spec"

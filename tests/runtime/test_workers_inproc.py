@@ -244,6 +244,34 @@ def test_sim_env_knobs_are_validated(monkeypatch: pytest.MonkeyPatch) -> None:
         SimEngine(FakeProfile())
 
 
+def test_sim_cost_scale_slows_only_the_stage_it_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """EASERVE_SIM_COST_SCALE plays hardware slower than its profile: the decode step waits 2x the
+    profile's time, encode and prefill the profile's (the waits are recorded, not timed)."""
+    import easerve_runtime.engines.sim as sim
+
+    waits: list[float] = []
+
+    async def sleep(s: float) -> None:
+        waits.append(s)
+
+    monkeypatch.setattr(sim.asyncio, "sleep", sleep)
+    monkeypatch.setenv("EASERVE_SIM_COST_SCALE", "decode=2")
+    from easerve_runtime.profiles import spec_profile
+
+    _, spec = load_manifest(SPEC)
+    prof = spec_profile(spec)
+    eng = SimEngine(prof, speedup=1.0, bytes_scale=0.01)
+    assert eng.cost_scale == {"decode": 2.0}
+    seqs = [DecodeSequence("a", 100, 4, seed=7, generated=[1])]
+    asyncio.run(eng.decode_step(seqs))
+    asyncio.run(eng.prefill([PrefillInput("p", 100, 0, seed=1)]))
+    assert waits == [pytest.approx(2 * prof.decode_step_s(1, 101.0)), pytest.approx(prof.prefill_s(100, 1.0, sequences=1))]
+    for bad in ("decode", "gpu=2", "decode=0", "decode=x"):
+        monkeypatch.setenv("EASERVE_SIM_COST_SCALE", bad)
+        with pytest.raises(ValueError, match="EASERVE_SIM_COST_SCALE"):
+            SimEngine(prof)
+
+
 def test_partition_link_reads_the_controllers_split(tmp_path: Path) -> None:
     from easerve_runtime.partition.record import (
         ControlRecord,

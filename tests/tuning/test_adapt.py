@@ -230,19 +230,63 @@ def test_stage_scales_match_the_measured_costs():
         StageScales(decode=0.0)
 
 
-def test_allow_allocation_changes_is_refused_until_built():
-    """A user who asks for applied allocation changes gets a clear admission error, not a field the
-    operator silently ignores (the autopilot only recommends allocations)."""
-    from easerve_runtime.api import parse_spec, spec_errors
-    from pydantic import ValidationError
+def test_an_applied_allocation_change_waits_for_its_roll_before_the_guard_judges_it():
+    """Rule 6: a re-tuner that may apply allocations answers one; the decision names the old and
+    new allocation and takes the knobs chosen for it (even a knob pinned by the old layout). No
+    decision and no guard verdict while the roll runs (``settled=False``); the guard window starts
+    once the new pods serve, and a worse good fraction then rolls back allocation and knobs."""
+    calls: list[float] = []
 
-    _, spec = load_manifest("examples/qwen2.5-vl-32b.yaml")
-    raw = spec.model_dump(mode="json", by_alias=True, exclude_none=True)
-    raw["tuning"]["adapt"] = {"enabled": True, "allowAllocationChanges": True}
-    with pytest.raises(ValidationError) as exc:
-        parse_spec(raw)
-    errs = spec_errors(exc.value)
-    assert any(e.startswith("spec.tuning.adapt.allowAllocationChanges: applying allocation changes is not built")
-               for e in errs), errs
-    raw["tuning"]["adapt"]["allowAllocationChanges"] = False
-    assert parse_spec(raw).tuning.adapt.enabled is True
+    def retune(rate: float, pinned: frozenset[str]) -> Proposal:
+        calls.append(rate)
+        return Proposal(Knobs(2, 1.0), predicted_goodput=3.0, allocation="3E-1P-1D", reallocate="3E-1P-1D")
+
+    p = AdaptParams(band=0.3, hold_s=10, min_interval_s=0, guard_window_s=20)
+    ap = Autopilot(p, START, tuned_rate=1.0, retune=retune, pinned=frozenset({"offload_ratio"}))
+    ds = feed(ap, 0, 10, 1.0, good=0.9) + feed(ap, 10, 21, 4.0, good=0.9)
+    assert len(ds) == 1
+    d = ds[0]
+    assert d.reallocates and d.old_allocation is None and d.new_allocation == "3E-1P-1D"
+    assert d.new == Knobs(2, 1.0) and ap.allocation == "3E-1P-1D"
+    # the roll: 60 s with a collapsing good fraction and a rate far out of the band: nothing happens
+    for t in range(21, 81):
+        assert ap.observe(t, 9.0 if t % 2 else 4.0, 0.0, settled=False) is None
+    assert len(calls) == 1 and ap.decisions == [d]
+    # settled at t=81: the guard window runs 81..101 at the new rate, and the result is worse
+    out = feed(ap, 81, 110, 4.0, good=0.5)
+    assert [x.kind for x in out] == ["rollback"] and out[0].at == 101
+    rb = out[0]
+    assert rb.old_allocation == "3E-1P-1D" and rb.new_allocation is None and rb.new == START
+    assert ap.allocation is None and ap.knobs == START
+
+
+def test_a_settled_allocation_change_that_holds_its_goodput_is_kept():
+    def retune(rate: float, pinned: frozenset[str]) -> Proposal:
+        return Proposal(Knobs(4, 0.5), predicted_goodput=3.0, reallocate="3E-1P-1D")
+
+    ap = Autopilot(AdaptParams(band=0.3, hold_s=10, min_interval_s=0, guard_window_s=20), START, 1.0, retune)
+    ds = feed(ap, 0, 10, 1.0, good=0.9) + feed(ap, 10, 21, 4.0, good=0.9)
+    assert [d.new_allocation for d in ds] == ["3E-1P-1D"]
+    assert all(ap.observe(t, 4.0, None, settled=False) is None for t in range(21, 40))
+    assert feed(ap, 40, 80, 4.0, good=0.92) == [] and ap.allocation == "3E-1P-1D"
+
+
+def test_after_a_roll_the_live_figures_must_settle_before_the_next_decision():
+    """``settle_s``: the rate windows and stage costs read right after a roll mix the old and new
+    pods, so for that long after it nothing is decided and the guard counts nothing; the hold
+    then needs samples taken after the roll."""
+    def retune(rate: float, pinned: frozenset[str]) -> Proposal:
+        return Proposal(Knobs(4, 0.5), predicted_goodput=3.0, reallocate="A" if rate > 2 else "B")
+
+    p = AdaptParams(band=0.3, hold_s=10, min_interval_s=0, guard_window_s=20, settle_s=30)
+    ap = Autopilot(p, START, 1.0, retune)
+    ds = feed(ap, 0, 11, 4.0, good=0.9)
+    assert [d.new_allocation for d in ds] == ["A"] and ds[0].at == 10
+    assert all(ap.observe(t, 0.5, None, settled=False) is None for t in range(11, 40))
+    # settled at 40, the load already far below the band: nothing counts before 70 (settle), not
+    # even the collapsed good fractions; the guard window is 70..90 (out of band: kept)
+    assert feed(ap, 40, 70, 0.5, good=0.1) == []
+    assert feed(ap, 70, 91, 0.5, good=0.9) == [] and ap.allocation == "A"
+    # the hold is filled by samples taken after the settle time only: the re-tune comes at 91
+    ds = feed(ap, 91, 110, 0.5, good=0.9)
+    assert [d.new_allocation for d in ds] == ["B"] and ds[0].old_allocation == "A" and ds[0].at == 91

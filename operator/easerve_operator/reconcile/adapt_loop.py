@@ -23,11 +23,16 @@ with rollback; docs/adapt.md). This module feeds it and records what it decides:
 
 Explicit spec values are pinned and never moved, nor is s when the pod layout cannot take another
 value live (s = 1: no local prefill worker; s = 0: no remote pool). The autopilot's state survives
-an operator restart through ``status.adapt`` (knobs and reference rate). Allocation changes are not
-applied: each re-tune also asks the twin whether another allocation of the budget (the HAS space)
-would do better at the observed rate with the new knobs, and a decision names it
-(``recommendedAllocation``) when it beats the running one by more than ``RECOMMEND_MARGIN``;
-``allowAllocationChanges: true`` (a roll per change) is refused at admission until that is built.
+an operator restart through ``status.adapt`` (knobs, reference rate, applied allocation).
+
+**Allocations.** Each re-tune also asks the twin whether another allocation of the budget (the HAS
+space) would do better at the observed rate, and a decision names it (``recommendedAllocation``)
+when it beats the running one by more than ``RECOMMEND_MARGIN``. With
+``allowAllocationChanges: true`` and ``allocation`` unset in the manifest, the autopilot *applies*
+it: B and s are re-tuned on the new layout (explicit values kept), ``status.adapt.allocation``
+names it, the reconciler lays it over (``reconcile.effective.lay_allocation``) and the pods roll
+(surge first, as any rolling update). The guard window starts once ``status.effective`` shows the
+new allocation and the deployment is Ready again, and a rollback rolls back.
 """
 
 from __future__ import annotations
@@ -41,10 +46,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from easerve_runtime.api import EPDDeploymentSpec
+from easerve_runtime.api import Allocation, EPDDeploymentSpec
 from easerve_runtime.api.status import AdaptCalibration, AdaptDecisionStatus, AdaptKnobs, AdaptStatus
 from easerve_runtime.sim.latency import StageScales
 
+from easerve_operator.reconcile.effective import lay_allocation
 from easerve_operator.tuning.adapt import (
     AdaptParams,
     Autopilot,
@@ -52,6 +58,7 @@ from easerve_operator.tuning.adapt import (
     Knobs,
     LiveCosts,
     Proposal,
+    Retuner,
     grid_retuner,
     stage_scales,
     twin_evaluator,
@@ -63,6 +70,9 @@ log = logging.getLogger(__name__)
 DEFAULT_WINDOW_S = 10.0
 KEEP_DECISIONS = 20
 RECOMMEND_MARGIN = 0.05
+APPLY_MARGIN = 0.10
+"""An allocation is *applied* only when the twin, each layout with its own re-tuned knobs, gives it
+this much more goodput: a roll costs capacity while it runs, and near-ties flip with the rate."""
 CALIBRATION_WINDOWS = 3
 BATCH_GRID = (1, 2, 4, 8, 16)
 RATIO_GRID = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -162,6 +172,14 @@ class AdaptLoop:
     decisions: list[dict[str, Any]] = field(default_factory=list)
     calibration: AdaptCalibration | None = None
     """The twin's live calibration (``tuning.adapt.stage_scales``), recomputed at each re-tune."""
+    raw: Mapping[str, Any] = field(default_factory=dict)
+    """The manifest's spec as stored (what it writes explicitly)."""
+    base: EPDDeploymentSpec | None = None
+    """The effective spec without the autopilot (tuned values in)."""
+    allocations: dict[str, Any] = field(default_factory=dict)
+    """Applied allocations by label (the pure autopilot keeps labels)."""
+    rolling_to: str | None = None
+    """The allocation a change rolls to, until the deployment shows it Ready."""
 
     @property
     def scales(self) -> StageScales:
@@ -179,18 +197,50 @@ class AdaptLoop:
         if "offload_ratio" in pinned:
             cur = Knobs(cur.batch_bound, spec.offload.ratio)
         ref = float(prev.get("referenceRate") or spec.tuning.target_rate or 1.0)
-        params = AdaptParams.from_spec(spec.tuning.adapt)
-        evaluate = twin_evaluator(spec, spec.slo.objective, requests=self.requests, scales=lambda: self.scales)
+        params = dataclasses.replace(AdaptParams.from_spec(spec.tuning.adapt),
+                                     settle_s=float(getattr(self.rates, "window_s", DEFAULT_WINDOW_S)) * CALIBRATION_WINDOWS)
         holder: list[Autopilot] = []
-        grid = grid_retuner(evaluate, lambda: holder[0].knobs, BATCH_GRID, RATIO_GRID, headroom=params.band)
+        grids: dict[str, Retuner] = {}
+
+        def grid_for(running: EPDDeploymentSpec, current: Callable[[], Knobs]) -> Retuner:
+            evaluate = twin_evaluator(running, running.slo.objective, requests=self.requests, scales=lambda: self.scales)
+            return grid_retuner(evaluate, current, BATCH_GRID, RATIO_GRID, headroom=params.band)
 
         def retune(rate: float, pin: frozenset[str]) -> Proposal:
-            self._calibrate(spec, holder[0].knobs, rate)
-            p = grid(rate, pin)
-            return dataclasses.replace(p, allocation=self._better_allocation(spec, p, rate * (1 + params.band)))
+            pilot = holder[0]
+            running = self.running(pilot)
+            self._calibrate(running, pilot.knobs, rate)
+            label = running.allocation.label()
+            if label not in grids:
+                grids[label] = grid_for(running, lambda: holder[0].knobs)
+            p = grids[label](rate, pin)
+            better = self._better_allocation(running, p, rate * (1 + params.band))
+            if better is None:
+                return p
+            alloc, laid, g = better
+            if self._may_reallocate():
+                # re-tune B and s on the new layout (explicit knobs and a layout-fixed s kept)
+                new_pin = pinned_knobs(self.raw, laid)
+                k0 = Knobs(laid.encode.batch_bound, laid.offload.ratio)
+                q = grid_for(laid, lambda: k0)(rate, new_pin)
+                if q.predicted_goodput < p.predicted_goodput * (1 + APPLY_MARGIN):
+                    return dataclasses.replace(p, allocation=alloc.label())  # recommended only
+                self.allocations[alloc.label()] = alloc
+                return Proposal(q.knobs, q.predicted_goodput, allocation=alloc.label(), reallocate=alloc.label())
+            return dataclasses.replace(p, allocation=alloc.label())
 
         pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
         holder.append(pilot)
+        applied = prev.get("allocation")
+        if applied and self._may_reallocate():
+            try:
+                a = Allocation.model_validate(applied)
+                if lay_allocation(self.raw, spec, a, cur.offload_ratio) is not None and a != spec.allocation:
+                    pilot.allocation = a.label()
+                    self.allocations[a.label()] = a
+                    pilot.pinned = pinned_knobs(self.raw, self.running(pilot))
+            except ValueError:
+                pass
         self.decisions = list(prev.get("decisions") or [])
         cal = prev.get("calibration")
         try:
@@ -199,6 +249,19 @@ class AdaptLoop:
         except ValueError:
             self.calibration = None
         return pilot
+
+    def _may_reallocate(self) -> bool:
+        return self.base is not None and lay_allocation(self.raw, self.base, self.base.allocation, self.base.offload.ratio) is not None
+
+    def running(self, pilot: Autopilot) -> EPDDeploymentSpec:
+        """The spec that runs: the base, on the allocation the autopilot applied (if any), with its knobs."""
+        assert self.base is not None
+        spec = self.base
+        if pilot.allocation is not None:
+            laid = lay_allocation(self.raw, spec, self.allocations[pilot.allocation], pilot.knobs.offload_ratio)
+            if laid is not None:
+                spec = laid
+        return with_knobs(spec, pilot.knobs)
 
     def _calibrate(self, spec: EPDDeploymentSpec, knobs: Knobs, rate: float) -> None:
         """Before a re-tune: scale the twin's stage costs to what the deployment measured, at the
@@ -237,8 +300,12 @@ class AdaptLoop:
                                             decode=scales.decode, at=_iso(self.clock()), measured=measured)
         log.info("autopilot: calibration encode x%.2f decode x%.2f (%s)", scales.encode, scales.decode, measured)
 
-    def _better_allocation(self, spec: EPDDeploymentSpec, p: Proposal, rate: float) -> str | None:
-        """An allocation of the budget that the twin gives more goodput at ``rate`` with ``p``'s knobs."""
+    def _better_allocation(self, spec: EPDDeploymentSpec, p: Proposal, rate: float
+                           ) -> tuple[Allocation, EPDDeploymentSpec, float] | None:
+        """An allocation of the budget that the twin gives more goodput at ``rate`` with ``p``'s knobs
+        (where the layout cannot take p's s, s = 1), and the spec running it: (allocation, spec,
+        goodput). Where allocations may be applied, only those the manifest allows
+        (``lay_allocation``: an explicit s or partition mode is kept)."""
         from easerve_runtime.sim.runner import run_trial
 
         from easerve_operator.tuning.runners.sim import SimStageProfiler
@@ -250,7 +317,9 @@ class AdaptLoop:
         except ValueError:
             return None
         tier = spec.slo.objective
-        best, best_g = None, p.predicted_goodput * (1 + RECOMMEND_MARGIN)
+        strict = self._may_reallocate()
+        best: tuple[Allocation, EPDDeploymentSpec, float] | None = None
+        best_g = p.predicted_goodput * (1 + RECOMMEND_MARGIN)
         for a in space.allocations:
             if a.allocation() == spec.allocation:
                 continue
@@ -259,43 +328,74 @@ class AdaptLoop:
                 cand = apply_candidate(spec, Candidate(a, p.knobs.batch_bound, s))
             except ValueError:
                 continue
+            if strict:
+                laid = lay_allocation(self.raw, spec, a.allocation(), s)
+                if laid is None:
+                    continue
+                cand = with_knobs(laid, Knobs(p.knobs.batch_bound, s))
             g = float(run_trial(cand, rate, self.requests, 0)["goodput"][tier])
             if g > best_g:
-                best, best_g = a.label, g
+                best, best_g = (a.allocation(), cand, g), g
         return best
 
-    def step(self, raw: Mapping[str, Any], spec: EPDDeploymentSpec, status: Mapping[str, Any] | None) -> AdaptStatus | None:
+    def step(self, raw: Mapping[str, Any], spec: EPDDeploymentSpec, status: Mapping[str, Any] | None,
+             deployment: Mapping[str, Any] | None = None) -> AdaptStatus | None:
         """One observation; the ``status.adapt`` to write (None: nothing new to say).
 
-        ``spec`` is the effective spec (tuned values in, the autopilot's own knobs not), ``status``
-        the last ``status.adapt``."""
+        ``spec`` is the effective spec (tuned values in, the autopilot's own knobs and allocation
+        not), ``status`` the last ``status.adapt``, ``deployment`` the whole status (to see a roll
+        to an applied allocation end; None: nothing rolls)."""
         from easerve_operator.tuning.runners.kube import time_scale
 
         pinned = pinned_knobs(raw, spec)
         key = (spec.allocation.label(), spec.tuning.adapt.model_dump_json(), pinned, spec.tuning.target_rate)
+        self.raw, self.base = raw, spec
         if self.pilot is None or key != self.key:
+            self.allocations, self.rolling_to = {}, None
             self.pilot, self.key = self._build(spec, pinned, status), key
         pilot = self.pilot
         try:
             seen = self.rates.observe(spec)
         except Exception as exc:  # noqa: BLE001 - Prometheus hiccups: say so, keep the knobs
-            return self._status(pilot, pinned, None, None, f"no observation: {type(exc).__name__}: {exc}"[:300])
+            return self._status(pilot, pilot.pinned, None, None, f"no observation: {type(exc).__name__}: {exc}"[:300])
         if seen is None:
-            return self._status(pilot, pinned, None, None, "no traffic observed yet")
+            return self._status(pilot, pilot.pinned, None, None, "no traffic observed yet")
         k = time_scale(spec)
         rate, good = seen[0] / k, seen[1]
         now = self.clock()
-        d = pilot.observe(now, rate, good)
+        d = pilot.observe(now, rate, good, settled=self._settled(deployment))
+        if d is not None and d.reallocates:
+            running = self.running(pilot)
+            pilot.pinned = pinned_knobs(raw, running)  # s may be fixed, or freed, by the new layout
+            self.rolling_to = running.allocation.label()
+            log.info("autopilot: allocation %s -> %s (a roll)", d.old_allocation or spec.allocation.label(),
+                     d.new_allocation or spec.allocation.label())
         if d is not None:
-            self.decisions.append(decision_status(d, now))
+            self.decisions.append(decision_status(d, now, spec.allocation.label()))
             self.decisions = self.decisions[-KEEP_DECISIONS:]
             log.info("autopilot: %s B %d -> %d, s %g -> %g (%s)", d.kind, d.old.batch_bound, d.new.batch_bound,
                      d.old.offload_ratio, d.new.offload_ratio, d.reason)
-        return self._status(pilot, pinned, rate, good, None, now)
+        return self._status(pilot, pilot.pinned, rate, good, None, now)
+
+    def _settled(self, deployment: Mapping[str, Any] | None) -> bool:
+        """False while the deployment rolls to the allocation last applied (status.effective shows
+        another one, or it is not Ready yet)."""
+        if self.rolling_to is None or deployment is None:
+            return True
+        eff = deployment.get("effective") or {}
+        if eff.get("allocationLabel") == self.rolling_to and deployment.get("phase") == "Ready":
+            self.rolling_to = None
+            return True
+        return False
 
     def _status(self, pilot: Autopilot, pinned: frozenset[str], rate: float | None, good: float | None,
                 message: str | None, now: float | None = None) -> AdaptStatus:
+        alloc = self.allocations.get(pilot.allocation) if pilot.allocation is not None else None
+        if self.rolling_to is not None and message is None:
+            message = f"rolling to allocation {self.rolling_to}"
         return AdaptStatus(
+            allocation=alloc,
+            allocation_label=alloc.label() if alloc is not None else None,
             knobs=AdaptKnobs(batch_bound=pilot.knobs.batch_bound, offload_ratio=pilot.knobs.offload_ratio),
             reference_rate=pilot.reference_rate,
             observed_rate=rate,
@@ -308,7 +408,9 @@ class AdaptLoop:
         )
 
 
-def decision_status(d: Decision, now: float) -> dict[str, Any]:
+def decision_status(d: Decision, now: float, own_allocation: str | None = None) -> dict[str, Any]:
+    """``d`` as ``status.adapt.decisions[]``; ``own_allocation`` names the deployment's own
+    allocation (the pure autopilot's None) in an allocation change."""
     return {
         "at": _iso(now),
         "kind": d.kind,
@@ -319,4 +421,6 @@ def decision_status(d: Decision, now: float) -> dict[str, Any]:
         "predictedGoodput": d.predicted_goodput,
         "reason": d.reason,
         "recommendedAllocation": d.recommended_allocation,
+        "oldAllocation": (d.old_allocation or own_allocation) if d.reallocates else None,
+        "newAllocation": (d.new_allocation or own_allocation) if d.reallocates else None,
     }

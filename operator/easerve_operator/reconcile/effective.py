@@ -28,6 +28,9 @@ CD / Flux see no drift). Where the search has no result yet:
 s with the observed load: ``status.adapt.knobs`` fills ``encode.batchBound`` and ``offload.ratio`` when
 the manifest leaves them unset (explicit values are pinned: the autopilot never moves them). Those two
 reach running encode workers through the ConfigMap without a restart (``policies.knobs.LIVE_FIELDS``).
+With ``allowAllocationChanges`` and ``allocation`` unset in the manifest, ``status.adapt.allocation``
+(an allocation the autopilot applied) fills ``allocation`` too, with the s chosen for it and the
+partition that s needs (``lay_allocation``); that one changes the pods, so they roll.
 
 ``status.effective.sources`` names, per field, where its value came from: ``spec``, ``tuned``,
 ``adapted`` or ``default``.
@@ -129,6 +132,8 @@ class Resolved:
     tuned: Tuned | None = None
     adapted: tuple[int, float] | None = None
     """(B, s) the autopilot laid over the unset fields, if any."""
+    adapted_allocation: str | None = None
+    """The label of the allocation the autopilot applied and laid over, if any."""
 
     @property
     def key(self) -> str:
@@ -136,7 +141,9 @@ class Resolved:
         if self.waiting is not None:
             return "waiting"
         base = self.tuned.digest() if self.tuned is not None else "-"
-        return base if self.adapted is None else f"{base}+{self.adapted[0]}/{self.adapted[1]:g}"
+        if self.adapted is not None:
+            base = f"{base}+{self.adapted[0]}/{self.adapted[1]:g}"
+        return base if self.adapted_allocation is None else f"{base}@{self.adapted_allocation}"
 
     def effective(self) -> EffectiveConfig | None:
         if self.spec is None or self.waiting is not None:
@@ -189,6 +196,37 @@ def _partition_update(spec: EPDDeploymentSpec, s: float, part: str) -> dict[str,
     return {"mode": PartitionMode.DYNAMIC.value}
 
 
+def lay_allocation(
+    raw: Mapping[str, Any], spec: EPDDeploymentSpec, allocation: Allocation, s: float
+) -> EPDDeploymentSpec | None:
+    """``spec`` running ``allocation`` with offload ratio ``s``, or None where the manifest forbids it.
+
+    The autopilot's applied allocation changes (``spec.tuning.adapt.allowAllocationChanges``) go
+    through here, both when the autopilot picks a candidate and when the reconciler lays the
+    applied one over, so both agree on what may run. Explicit values win: an allocation written in
+    the manifest is never replaced, an explicit s must be the one given, an explicit partition mode
+    stays (a candidate that then breaks a cross-field rule is refused). An unset mode follows s:
+    ``none`` at s = 1 (no local prefill), else the spec's own, ``dynamic`` if that is ``none``."""
+    unset = unset_fields(raw)
+    if "allocation" not in unset or not spec.tuning.adapt.allow_allocation_changes:
+        return None
+    upd: dict[str, Any] = {"allocation": allocation}
+    if "offload.ratio" in unset:
+        upd["offload"] = spec.offload.model_copy(update={"ratio": float(s)})
+    elif spec.offload.ratio != s:
+        return None
+    if "smPartition.mode" in unset:
+        if s >= 1.0:
+            mode = PartitionMode.NONE.value
+        elif spec.sm_partition.mode == PartitionMode.NONE:
+            mode = PartitionMode.DYNAMIC.value
+        else:
+            mode = spec.sm_partition.mode
+        upd["sm_partition"] = spec.sm_partition.model_copy(update={"mode": mode})
+    out = spec.model_copy(update=upd)
+    return None if cross_field_errors(out) else out
+
+
 def resolve(
     raw: Mapping[str, Any],
     spec: EPDDeploymentSpec,
@@ -206,6 +244,20 @@ def resolve(
     unset = unset_fields(raw)
     upd: dict[str, Any] = {}
     sources = dict(r.sources)
+    alloc_label: str | None = None
+    if adapt.get("allocation") and knobs.get("offloadRatio") is not None:
+        try:
+            laid = lay_allocation(raw, r.spec, Allocation.model_validate(adapt["allocation"]), float(knobs["offloadRatio"]))
+        except ValueError:
+            laid = None
+        if laid is not None and laid.allocation != r.spec.allocation:
+            for f, before, after in (("allocation", r.spec.allocation, laid.allocation),
+                                     ("offload.ratio", r.spec.offload.ratio, laid.offload.ratio),
+                                     ("smPartition.mode", r.spec.sm_partition.mode, laid.sm_partition.mode)):
+                if before != after:
+                    sources[f] = "adapted"
+            alloc_label = laid.allocation.label()
+            r = Resolved(laid, sources, tuned=r.tuned)
     b = knobs.get("batchBound")
     if "encode.batchBound" in unset and b is not None and int(b) != r.spec.encode.batch_bound:
         upd["encode"] = r.spec.encode.model_copy(update={"batch_bound": int(b)})
@@ -215,12 +267,13 @@ def resolve(
             and 0.0 < float(s_new) < 1.0 and 0.0 < r.spec.offload.ratio < 1.0):  # within the pod layout
         upd["offload"] = r.spec.offload.model_copy(update={"ratio": float(s_new)})
         sources["offload.ratio"] = "adapted"
-    if not upd:
+    if not upd and alloc_label is None:
         return r
     out = r.spec.model_copy(update=upd)
     if cross_field_errors(out):
-        return r  # an adapted value that cannot run here is not laid over (the autopilot pins such knobs)
-    return Resolved(out, sources, tuned=r.tuned, adapted=(out.encode.batch_bound, out.offload.ratio))
+        out, sources = r.spec, dict(r.sources)  # an adapted knob that cannot run here is not laid over
+    return Resolved(out, sources, tuned=r.tuned, adapted=(out.encode.batch_bound, out.offload.ratio),
+                    adapted_allocation=alloc_label)
 
 
 def _resolve_tuned(

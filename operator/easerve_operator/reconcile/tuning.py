@@ -622,7 +622,7 @@ class Autopilot:
             return
         if self.loop is None or url != self.url:
             self.loop, self.url = AdaptLoop(PrometheusRates(url, self.namespace, self.name)), url
-        st = self.loop.step(raw, r.spec, status.get("adapt"))
+        st = self.loop.step(raw, r.spec, status.get("adapt"), deployment=status)
         if st is None:
             return
         n = len(st.decisions)

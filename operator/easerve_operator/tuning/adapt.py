@@ -28,6 +28,13 @@ The loop:
    reference becomes the current rate, so the same change is not retried at once. If the rate
    leaves the new band during the guard window, before and after are not like for like and the
    change is kept (the band logic re-tunes instead).
+6. **Allocation changes** (only where the caller allows them: ``spec.tuning.adapt.allowAllocationChanges``
+   with the allocation left unset). A re-tuner may answer another allocation to *apply*
+   (``Proposal.reallocate``, with the knobs chosen for it): the decision then carries the old and
+   new allocation, and applying it rolls pods. While the roll runs the caller says the deployment
+   is not ``settled``: no decision is made and the guard window has not started (the good fraction
+   of a rolling deployment says nothing about the new allocation); it starts once the new pods
+   serve. A rollback restores the old allocation with the old knobs.
 """
 
 from __future__ import annotations
@@ -59,6 +66,9 @@ class Proposal:
     predicted_goodput: float
     allocation: str | None = None
     """An allocation that would do better (recommended only, unless the spec allows rolls)."""
+    reallocate: str | None = None
+    """An allocation to apply (a roll), ``knobs`` being the ones chosen for it; None: keep the one
+    that runs. Only a caller that may apply allocations answers one."""
 
 
 Retuner = Callable[[float, frozenset[str]], Proposal]
@@ -74,6 +84,9 @@ class AdaptParams:
     min_interval_s: float = 120.0
     guard_window_s: float = 60.0
     rollback_tolerance: float = 0.05
+    settle_s: float = 0.0
+    """After an allocation change's roll: seconds before the live figures count again (the rate
+    windows and stage costs must cover the new pods only, not a mix of old and new)."""
 
     @classmethod
     def from_spec(cls, a: AdaptSpec) -> AdaptParams:
@@ -99,6 +112,14 @@ class Decision:
     predicted_goodput: float | None
     reason: str
     recommended_allocation: str | None = None
+    old_allocation: str | None = None
+    """The allocation before an applied allocation change (None: the deployment's own)."""
+    new_allocation: str | None = None
+    """The allocation applied (None with ``old_allocation`` None: no allocation change)."""
+
+    @property
+    def reallocates(self) -> bool:
+        return self.old_allocation != self.new_allocation
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -111,6 +132,10 @@ class _Guard:
     until: float
     fractions: list[float] = field(default_factory=list)
     comparable: bool = True
+    started: bool = True
+    """False while the deployment rolls to a new allocation: the window starts once it settles."""
+    count_from: float = -math.inf
+    """Good fractions before this time are not counted (the settle time after a roll)."""
 
 
 class Autopilot:
@@ -132,10 +157,14 @@ class Autopilot:
         self.reference_rate = float(tuned_rate)
         self.retune = retune
         self.pinned = pinned
+        self.allocation: str | None = None
+        """The allocation applied by a change (a label; None: the deployment's own)."""
         self.decisions: list[Decision] = []
         self._samples: deque[tuple[float, float, float | None]] = deque()
         self._last_change: float | None = None
         self._guard: _Guard | None = None
+        self._quiet_until = -math.inf
+        self._rolling = False
 
     # -- band ---------------------------------------------------------------------------------
     def side(self, rate: float) -> int:
@@ -154,10 +183,26 @@ class Autopilot:
         return sides.pop()
 
     # -- the loop -------------------------------------------------------------------------------
-    def observe(self, now: float, rate: float, good_fraction: float | None = None) -> Decision | None:
-        """One sample: the arrival rate (req/s) and goodput / arrival rate over the same window."""
+    def observe(self, now: float, rate: float, good_fraction: float | None = None, *,
+                settled: bool = True) -> Decision | None:
+        """One sample: the arrival rate (req/s) and goodput / arrival rate over the same window.
+        ``settled``: False while an applied allocation change still rolls (rule 6)."""
         if not (math.isfinite(rate) and rate >= 0):
             raise ValueError(f"rate must be a finite number >= 0, got {rate}")
+        if not settled:  # a roll runs: nothing is decided, no guard window runs
+            self._rolling = True
+            return None
+        if self._rolling:  # the roll just ended: what was seen before it, or in its wake, is stale
+            self._rolling = False
+            self._samples.clear()
+            self._quiet_until = now + self.params.settle_s
+        g = self._guard
+        if g is not None and not g.started:  # an allocation change's window starts after its roll
+            g.started = True
+            g.count_from = max(now, self._quiet_until)
+            g.until = g.count_from + self.params.guard_window_s
+        if now < self._quiet_until:
+            return None
         self._samples.append((now, rate, good_fraction))
         keep = max(self.params.hold_s, self.params.guard_window_s)
         while self._samples and self._samples[0][0] < now - keep:
@@ -178,13 +223,18 @@ class Autopilot:
             # knobs picked for zero would be wrong for whatever comes next; keep them
             return None
         prop = self.retune(target, self.pinned)
-        new = Knobs(
-            self.knobs.batch_bound if "batch_bound" in self.pinned else prop.knobs.batch_bound,
-            self.knobs.offload_ratio if "offload_ratio" in self.pinned else prop.knobs.offload_ratio,
-        )
+        realloc = prop.reallocate is not None and prop.reallocate != self.allocation
+        new_alloc = prop.reallocate if realloc else self.allocation
+        if realloc:  # the knobs chosen for the new layout (the re-tuner kept the explicit ones)
+            new = prop.knobs
+        else:
+            new = Knobs(
+                self.knobs.batch_bound if "batch_bound" in self.pinned else prop.knobs.batch_bound,
+                self.knobs.offload_ratio if "offload_ratio" in self.pinned else prop.knobs.offload_ratio,
+            )
         old_ref = self.reference_rate
         self.reference_rate = target
-        if new == self.knobs:
+        if new == self.knobs and not realloc:
             return None  # already the best for this rate: the band moves, nothing to apply
         fr = [g for t, _, g in self._samples if t >= now - self.params.hold_s and g is not None]
         d = Decision(
@@ -198,20 +248,24 @@ class Autopilot:
             reason=f"rate {target:.3g} req/s {'above' if side > 0 else 'below'} the band around {old_ref:.3g} "
             f"(band {self.params.band:g}) for {self.params.hold_s:g}s",
             recommended_allocation=prop.allocation,
+            old_allocation=self.allocation,
+            new_allocation=new_alloc,
         )
         self._apply(d, now)
-        self._guard = _Guard(d, statistics.fmean(fr) if fr else None, now + self.params.guard_window_s)
+        self._guard = _Guard(d, statistics.fmean(fr) if fr else None, now + self.params.guard_window_s,
+                             started=not realloc)
         return d
 
     def _apply(self, d: Decision, now: float) -> None:
         self.knobs = d.new
+        self.allocation = d.new_allocation
         self._last_change = now
         self.decisions.append(d)
 
     def _check_guard(self, now: float, rate: float, good_fraction: float | None) -> Decision | None:
         g = self._guard
         assert g is not None
-        if good_fraction is not None:
+        if good_fraction is not None and now >= g.count_from:
             g.fractions.append(good_fraction)
         if self.side(rate) != 0:
             g.comparable = False
@@ -233,6 +287,8 @@ class Autopilot:
             old=self.knobs,
             new=g.decision.old,
             predicted_goodput=None,
+            old_allocation=self.allocation,
+            new_allocation=g.decision.old_allocation,
             reason=f"good fraction {after:.3f} over {self.params.guard_window_s:g}s after the change at "
             f"{g.decision.at:g}s < {g.baseline:.3f} before it - {self.params.rollback_tolerance:g}",
         )

@@ -55,14 +55,6 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
         tier = spec.tuning.objective.split("@", 1)[1]
         if tier not in tier_names:
             errs.append(SpecError("spec.tuning.objective", f"tier '{tier}' is not in spec.slo.tiers {tier_names}"))
-    if spec.tuning.adapt.allow_allocation_changes:
-        errs.append(
-            SpecError(
-                "spec.tuning.adapt.allowAllocationChanges",
-                "applying allocation changes is not built yet: leave it false; the autopilot names a better "
-                "allocation in status.adapt.decisions[].recommendedAllocation for you to apply",
-            )
-        )
     lim = spec.limits
     if lim.max_prompt_tokens >= lim.max_context_tokens:
         errs.append(

@@ -349,8 +349,8 @@ class AdaptSpec(Model):
     )
     allow_allocation_changes: bool = Field(
         default=False,
-        description="Apply allocation changes with a roll (not built yet: true is refused); allocation changes are "
-        "recommended in status.",
+        description="Apply a better allocation found at a re-tune with a roll (only when spec.allocation is unset: "
+        "an explicit allocation is never moved); false: it is only recommended in status.adapt.decisions.",
     )
 
 

@@ -324,7 +324,13 @@ class AdaptDecisionStatus(Model):
     new: AdaptKnobs
     predicted_goodput: float | None = Field(default=None, description="The twin's goodput for the new knobs.")
     reason: str
-    recommended_allocation: str | None = None
+    recommended_allocation: str | None = Field(
+        default=None, description="An allocation the twin expects to do better (recommended, or applied: newAllocation)."
+    )
+    old_allocation: str | None = Field(default=None, description="Allocation before an applied allocation change.")
+    new_allocation: str | None = Field(
+        default=None, description="Allocation this change rolled the deployment to (allowAllocationChanges)."
+    )
 
 
 class AdaptCalibration(Model):
@@ -350,6 +356,12 @@ class AdaptStatus(Model):
     good_fraction: float | None = Field(default=None, description="Latest goodput / arrival rate at the objective tier.")
     observed_at: str | None = None
     pinned: list[str] = Field(default_factory=list, description="Knobs the spec writes explicitly (never moved).")
+    allocation: Allocation | None = Field(
+        default=None,
+        description="The allocation the autopilot applied (allowAllocationChanges; fills spec.allocation when unset). "
+        "None: the tuned or written one runs.",
+    )
+    allocation_label: str | None = None
     decisions: list[AdaptDecisionStatus] = Field(default_factory=list, description="Changes, newest last (20 kept).")
     calibration: AdaptCalibration | None = Field(
         default=None, description="The live calibration of the twin used by the last re-tune (docs/adapt.md)."

@@ -17,6 +17,11 @@ default to faithful behaviour:
 - ``EASERVE_SIM_SPEEDUP`` (default 1.0) divides every modelled latency;
 - ``EASERVE_SIM_BYTES_SCALE`` (default 1.0) scales the materialised embedding bytes (the shape
   still reports the true token count).
+
+A third plays hardware that differs from its profile, which is what the autopilot's live
+calibration exists for (docs/adapt.md): ``EASERVE_SIM_COST_SCALE`` (default none), for example
+``decode=2`` or ``encode=1.5,decode=2``, multiplies one stage's modelled latency. The profile,
+and so the twin and every profile-derived metric, stay as they are.
 """
 
 from __future__ import annotations
@@ -42,6 +47,28 @@ from easerve_runtime.workload.media import is_anyres, items_tokens
 VOCAB_SIZE = 32_000
 EMBED_DTYPE = "bfloat16"
 EMBED_ITEMSIZE = 2
+
+
+COST_STAGES = ("encode", "prefill", "decode")
+
+
+def env_cost_scale(name: str = "EASERVE_SIM_COST_SCALE") -> dict[str, float]:
+    """``stage=factor`` pairs, comma-separated, from the environment; an error names the variable."""
+    raw = os.environ.get(name, "").strip()
+    out: dict[str, float] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        stage, sep, val = part.partition("=")
+        stage = stage.strip()
+        if not sep or stage not in COST_STAGES:
+            raise ValueError(f"{name}={raw!r}: expected stage=factor pairs, stage one of {', '.join(COST_STAGES)}")
+        try:
+            v = float(val)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r}: {val!r} is not a number") from None
+        if not v > 0 or math.isinf(v):
+            raise ValueError(f"{name}={raw!r}: factors must be positive finite numbers")
+        out[stage] = v
+    return out
 
 
 def env_float(name: str, default: float) -> float:
@@ -96,6 +123,7 @@ class SimEngine:
             raise ValueError(f"speedup must be > 0, got {self.speedup}")
         if not self.bytes_scale > 0:
             raise ValueError(f"bytes_scale must be > 0, got {self.bytes_scale}")
+        self.cost_scale = env_cost_scale()
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, stage: str = "encode", **kw: Any) -> SimEngine:
@@ -122,9 +150,9 @@ class SimEngine:
     def _tp_kw(self) -> dict[str, int]:
         return {"tp": self.tp} if self.tp != 1 else {}
 
-    async def _wait(self, seconds: float) -> None:
+    async def _wait(self, seconds: float, stage: str | None = None) -> None:
         if seconds > 0:
-            await asyncio.sleep(seconds / self.speedup)
+            await asyncio.sleep(seconds * self.cost_scale.get(stage or "", 1.0) / self.speedup)
 
     # -- sizes ----------------------------------------------------------------------------
     def part_items_tokens(self, part: MediaPart) -> tuple[int, int]:
@@ -142,7 +170,7 @@ class SimEngine:
     async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]:
         items = self.batch_items(batch)
         if items:
-            await self._wait(self.profile.encode_s(items, sm_share))
+            await self._wait(self.profile.encode_s(items, sm_share), "encode")
         out = []
         for r in batch:
             tokens = self.mm_tokens(r.parts)
@@ -156,7 +184,7 @@ class SimEngine:
     async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]:
         tokens = sum(r.prompt_tokens for r in batch)
         if tokens:
-            await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **self._tp_kw()))
+            await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **self._tp_kw()), "prefill")
         return [
             PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
             for r in batch
@@ -172,5 +200,5 @@ class SimEngine:
             return []
         # the profile takes the KV tokens cached across the whole batch (the twin does the same)
         context = sum(s.context_tokens + len(s.generated) for s in batch)
-        await self._wait(self.profile.decode_step_s(len(batch), float(context), **self._tp_kw()))
+        await self._wait(self.profile.decode_step_s(len(batch), float(context), **self._tp_kw()), "decode")
         return [token_at(s.seed, len(s.generated)) for s in batch]
