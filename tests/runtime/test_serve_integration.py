@@ -201,6 +201,54 @@ def test_non_streaming_response(served: Served) -> None:
     )  # deterministic
 
 
+def test_client_disconnect_stops_the_decode_of_its_request(served: Served) -> None:
+    """A client that goes away mid-stream: the frontend stops its Dynamo context, the encode worker
+    tells the prefill worker that handed the request on, which stops its decode stream; the
+    decode worker drops the sequence at the next step (``cancelled``) instead of decoding the
+    other 3,990 tokens for nobody, and its batch is empty again. Counted, not timed."""
+    import base64
+
+    decoders = [p for p in served.processes() if p["stage"] == "decode"]
+
+    def cancelled() -> float:
+        return sum(metric(served.metrics(p["system_port"]), "easerve_stage_requests_total",
+                          'status="cancelled"') for p in decoders)
+
+    def decoding() -> float:
+        return sum(metric(served.metrics(p["system_port"]), "easerve_stage_inflight", 'stage="decode"')
+                   for p in decoders)
+
+    before = cancelled()
+    img = "data:image/png;base64," + base64.b64encode(png(64, 64)).decode()
+    body = {"model": "llava-hf/llava-v1.6-34b-hf", "max_tokens": 4000, "stream": True, "ignore_eos": True,
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "long"},
+                                                      {"type": "image_url", "image_url": {"url": img}}]}]}
+
+    async def read_some() -> int:
+        got = 0
+        async with aiohttp.ClientSession() as session, session.post(f"{served.url}/v1/chat/completions",
+                                                                    json=body) as r:
+            assert r.status == 200, await r.text()
+            async for raw in r.content:
+                if raw.startswith(b"data:") and b'"content"' in raw:
+                    got += 1
+                    if got == 5:
+                        break  # leave mid-stream: the connection closes with the session
+        return got
+
+    assert asyncio.run(read_some()) == 5
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and cancelled() < before + 1:
+        time.sleep(0.2)
+    assert cancelled() == before + 1, "the decode worker never learnt that nobody listens"
+    while time.monotonic() < deadline and decoding() > 0:
+        time.sleep(0.2)
+    assert decoding() == 0
+    # and the deployment serves on
+    st, out = post(served.url, json.dumps({**body, "max_tokens": 3, "stream": False}).encode())
+    assert st == 200 and out["usage"]["completion_tokens"] == 3
+
+
 async def _stream_many(url: str, n: int, max_tokens: int, started: asyncio.Event) -> list[dict[str, Any]]:
     """n concurrent streaming requests; sets ``started`` once every one has ``DECODING`` tokens.
 

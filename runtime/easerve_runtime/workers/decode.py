@@ -37,11 +37,15 @@ from easerve_runtime.engines.base import DecodeEngine, DecodeSequence, Sampling,
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.decode_admission import DecodeAdmission
 from easerve_runtime.workers.blobs import HostBlobs
+from easerve_runtime.workers.dynamo_rt import on_context_stop
 from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.decode")
 
 Entry = tuple[DecodeSequence, "asyncio.Queue[Any]", float]  # (sequence, its token queue, KV need)
+_STOPPED = object()
+"""Put in a request's queue when its Dynamo context is stopped or killed by the caller."""
+
 STATS_ENV = "EASERVE_DECODE_STATS"
 STATS_EVERY_S = 2.0
 
@@ -80,6 +84,8 @@ class DecodeWorker:
         self._stage = stage if callable(stage) else None
         """The engine's ``stage(seq)``: start moving a cache to the device before admission (optional)."""
         self._unstaged: dict[str, DecodeSequence] = {}  # waiting, their cache still on the host (FIFO)
+        self._cancelled: set[str] = set()
+        """Requests whose caller went away, until the loop has dropped them (``_cancel``)."""
         self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
                                              "loop_s": 0.0, "admitted": 0}
         d = os.environ.get(STATS_ENV)
@@ -171,19 +177,40 @@ class DecodeWorker:
         self.admission.add((seq, q, need), need)
         self._gauges()
         self._arrival.set()
-        ok = True
-        while True:
-            item = await q.get()
-            if item is None:
-                break
-            if isinstance(item, Exception):
-                ok = False
-                yield {"error": f"decode failed: {item}"}
-                break
-            yield {"token": item}
-        if ok and seq.stopped:
-            yield {"finish_reason": "stop"}
-        self.metrics.stage_requests.labels(self.stage, "ok" if ok else "error").inc()
+        ok, finished = True, False
+        watch = on_context_stop(context, lambda: q.put_nowait(_STOPPED))
+        try:
+            while True:
+                item = await q.get()
+                if item is _STOPPED:
+                    return  # the caller stopped the request (finally: it leaves the batch)
+                if item is None:
+                    break
+                if isinstance(item, Exception):
+                    ok = False
+                    finished = True
+                    yield {"error": f"decode failed: {item}"}
+                    break
+                yield {"token": item}
+            finished = True
+            if ok and seq.stopped:
+                yield {"finish_reason": "stop"}
+            self.metrics.stage_requests.labels(self.stage, "ok" if ok else "error").inc()
+        finally:
+            if watch is not None:
+                watch.cancel()
+            if not finished and not seq.done:  # a finished sequence leaves the batch by itself
+                self._cancel(rid)
+
+    def _cancel(self, rid: str) -> None:
+        """The request's caller went away (its stream was closed, or its Dynamo context stopped):
+        the sequence leaves the batch at the next step boundary, or is dropped at admission if it
+        still waits, and its KV memory is freed. Decoding on for nobody would hold a batch slot
+        and its cache until max_tokens."""
+        self._cancelled.add(rid)
+        self._unstaged.pop(rid, None)
+        self.metrics.stage_requests.labels(self.stage, "cancelled").inc()
+        self._arrival.set()
 
     def _gauges(self) -> None:
         waiting = self.admission.waiting
@@ -226,6 +253,11 @@ class DecodeWorker:
             for entry, need in self.admission.admit():
                 seq, q, _ = entry
                 self._unstaged.pop(seq.request_id, None)
+                if seq.request_id in self._cancelled:  # went away while it waited
+                    self._cancelled.discard(seq.request_id)
+                    getattr(self.engine, "discard", lambda _rid: None)(seq.request_id)
+                    self.admission.finish(need)
+                    continue
                 if seq.done:
                     q.put_nowait(None)
                     self.admission.finish(need)
@@ -243,6 +275,8 @@ class DecodeWorker:
             self._gauges()
             t1 = clock()
             ls["admit_s"] += t1 - t0
+            if self._cancelled and self._running:
+                self._drop_cancelled()
             if not self._running:
                 self._write_stats(t1, force=True)
                 self._arrival.clear()
@@ -275,6 +309,18 @@ class DecodeWorker:
             t2 = clock()
             ls["step_s"] += t2 - t1
             self._write_stats(t2)
+
+    def _drop_cancelled(self) -> None:
+        keep: list[Entry] = []
+        for entry in self._running:
+            seq, _q, need = entry
+            if seq.request_id in self._cancelled:
+                self._cancelled.discard(seq.request_id)
+                self._release(seq, need)
+            else:
+                keep.append(entry)
+        self._running = keep
+        self._gauges()
 
     def _release(self, seq: DecodeSequence, need: float) -> None:
         self.admission.finish(need)

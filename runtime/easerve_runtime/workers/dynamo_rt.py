@@ -194,6 +194,36 @@ async def wait_for_discovery(
             await runner.cleanup()
 
 
+def on_context_stop(context: Any, callback: Callable[[], None]) -> asyncio.Task[None] | None:
+    """Run ``callback`` once the request's Dynamo ``context`` is stopped or killed by its caller;
+    the task to cancel when the request ends. None for a handler called without such a context
+    (in-process tests)."""
+    wait = getattr(context, "async_killed_or_stopped", None)
+    if not callable(wait):
+        return None
+
+    async def watch() -> None:
+        try:
+            await wait()
+        except Exception:  # noqa: BLE001 - a context that cannot be watched cancels nothing
+            return
+        callback()
+
+    return asyncio.ensure_future(watch())
+
+
+def request_context(client: Any) -> Any | None:
+    """A fresh Dynamo ``Context`` for one call through ``client``, or None for a client that is not
+    Dynamo's (the tests' in-process fakes). The caller stops it (``stop_generating``) when it gives
+    up on the stream, which is how the worker at the other end learns that nobody listens any
+    more (a client disconnect reaches every stage behind the frontend)."""
+    try:
+        from dynamo._core import Client, Context
+    except ImportError:  # pragma: no cover - the runtime is a dependency
+        return None
+    return Context() if isinstance(client, Client) else None
+
+
 def make_runtime(cfg: RuntimeConfig, discovery: str | None = None) -> Any:
     """Create the DistributedRuntime on the running loop, with the environment set first."""
     env = dynamo_env(cfg, discovery)

@@ -36,6 +36,7 @@ from easerve_runtime.policies.envelope import SendWindow, build_envelopes
 from easerve_runtime.policies.knobs import Applied, KnobChange, apply_knobs
 from easerve_runtime.policies.post_encode import LOCAL, PostEncodeRouter
 from easerve_runtime.workers.blobs import HostBlobs
+from easerve_runtime.workers.dynamo_rt import on_context_stop
 from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.streams import Streams
@@ -146,8 +147,15 @@ class EncodeWorker:
         self.metrics.queue_depth.labels(self.stage).set(self.batcher.pending)
         self.metrics.inflight.labels(self.stage).set(len(self.streams))
         self._arrival.set()
-        async for item in self.streams.drain(rid):
-            yield item
+        # a caller that stops the request (the frontend, when its client went away) ends the
+        # stream here; the next token for it then finds nobody and cancels it downstream (_send)
+        watch = on_context_stop(context, lambda: self.streams.close(rid))
+        try:
+            async for item in self.streams.drain(rid):
+                yield item
+        finally:
+            if watch is not None:
+                watch.cancel()
         self.metrics.inflight.labels(self.stage).set(len(self.streams))
 
     # -- batch loop ---------------------------------------------------------------------------
@@ -238,6 +246,21 @@ class EncodeWorker:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _cancel_downstream(self, pool: StagePool, dest: Any, rid: str) -> None:
+        """Tell the prefill worker holding ``rid`` that nobody waits for it any more: it drops the
+        request if it has not run yet, or stops its decode stream (the envelope carries other
+        requests, so its stream cannot simply be closed)."""
+        try:
+            async for _ in pool.stream({"cancel": [rid]}, instance=None if dest == LOCAL else dest):
+                pass
+        except StageError as exc:  # best effort: the request still ends when its tokens do
+            log.info("cancel of %s not delivered: %s", rid, exc)
+
     def _release(self) -> None:
         self.window.release()
         self.metrics.envelope_in_flight.set(self.window.in_flight)
@@ -247,6 +270,7 @@ class EncodeWorker:
         """One envelope to ``dest``; its bytes go as a same-host blob (written here, in the send's own
         task, so the next micro-batch is not held up) or inline as base64."""
         reqs = {r["id"]: r for r in msg["requests"]}
+        cancelled: set[str] = set()
         pending = set(reqs)
         unprefilled = set(reqs)  # the router counts these as outstanding at ``dest``
         released = False
@@ -271,7 +295,9 @@ class EncodeWorker:
                     unprefilled.discard(rid)
                     self.router.prefilled(dest)
                 if "token" in item:
-                    self.streams.put(rid, {"token": item["token"]})
+                    if not self.streams.put(rid, {"token": item["token"]}) and rid not in cancelled:
+                        cancelled.add(rid)  # its client went away: stop its prefill and decode
+                        self._spawn(self._cancel_downstream(pool, dest, rid))
                 elif item.get("done"):
                     r = reqs[rid]
                     self.streams.put(

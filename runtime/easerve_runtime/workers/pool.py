@@ -21,12 +21,13 @@ TTL, and its in-flight requests get an explicit :class:`StageError` at that mome
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from easerve_runtime.policies.router import LeastOutstanding
-from easerve_runtime.workers.dynamo_rt import is_unavailable
+from easerve_runtime.workers.dynamo_rt import is_unavailable, request_context
 
 QUARANTINE_S = 30.0
 MAX_ATTEMPTS = 3
@@ -116,13 +117,18 @@ class Pool:
                 iid = self.pick(tried)
             tried.add(iid)
             self.outstanding[iid] = self.outstanding.get(iid, 0) + weight
-            received = False
+            received = completed = False
+            ctx = request_context(self.client)
             try:
                 try:
-                    stream = await self.client.direct(request, iid, annotated=False)
+                    if ctx is None:
+                        stream = await self.client.direct(request, iid, annotated=False)
+                    else:
+                        stream = await self.client.direct(request, iid, annotated=False, context=ctx)
                     async for item in self._watched(stream, iid):
                         received = True
                         yield item
+                    completed = True
                     return
                 except StageError:
                     raise
@@ -133,6 +139,9 @@ class Pool:
                             continue
                     raise StageError(f"{self.name} instance {iid:x} failed: {exc}") from exc
             finally:
+                if ctx is not None and not completed:  # we gave up on it: tell the worker
+                    with contextlib.suppress(Exception):  # best effort: the stream is dropped anyway
+                        ctx.stop_generating()
                 n = self.outstanding.get(iid, weight) - weight
                 if n > 0:
                     self.outstanding[iid] = n

@@ -56,6 +56,12 @@ class PrefillWorker:
         self.partition = partition
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
+        self._handoffs: dict[str, asyncio.Task[None]] = {}
+        """The decode handoff of each request being decoded (``cancel`` stops it)."""
+        self._cancelled: set[str] = set()
+        """Cancelled before their prefill ran: dropped when their batch is taken."""
+        self._queued: set[str] = set()
+        """Requests received and not yet handed to decode (or ended)."""
         self._inflight = 0
         self._rows: dict[str, Any] = {}
         """Embedding rows per queued request (a real engine merges them; the sim engine ignores them)."""
@@ -70,6 +76,11 @@ class PrefillWorker:
         return self._inflight
 
     async def generate(self, envelope: dict[str, Any], context: Any = None) -> AsyncIterator[dict[str, Any]]:
+        if isinstance(envelope, dict) and "cancel" in envelope:  # the encode worker's client went away
+            for rid in envelope.get("cancel") or ():
+                self.cancel(str(rid))
+            yield {"ack": True}
+            return
         try:
             metas = list(envelope["requests"])
             if "buffer_blob" in envelope:
@@ -93,6 +104,7 @@ class PrefillWorker:
             if meta["id"] in arrays:
                 self._rows[meta["id"]] = arrays[meta["id"]]
             self.batcher.add((meta, q), int(meta["text_tokens"]) + int(meta["mm_tokens"]))
+            self._queued.add(str(meta["id"]))
         self._inflight += len(metas)
         self._gauges()
         self._arrival.set()
@@ -102,9 +114,21 @@ class PrefillWorker:
             if item.get("done") or "error" in item:
                 remaining -= 1
                 self._inflight -= 1
-                self.metrics.stage_requests.labels(self.stage, "error" if "error" in item else "ok").inc()
+                self._queued.discard(str(item.get("id")))
+                outcome = "cancelled" if item.get("cancelled") else "error" if "error" in item else "ok"
+                self.metrics.stage_requests.labels(self.stage, outcome).inc()
                 self._gauges()
             yield item
+
+    def cancel(self, rid: str) -> None:
+        """Nobody waits for ``rid`` any more: a request still queued is dropped when its batch is
+        taken (no prefill for it), one being decoded has its decode stream stopped (the decode
+        worker then frees its slot and KV at the next step)."""
+        task = self._handoffs.get(rid)
+        if task is not None:
+            task.cancel()
+        elif rid in self._queued:
+            self._cancelled.add(rid)
 
     def _gauges(self) -> None:
         self.metrics.queue_depth.labels(self.stage).set(self.batcher.pending)
@@ -117,6 +141,10 @@ class PrefillWorker:
                 await self._arrival.wait()
                 continue
             batch, _tokens = self.batcher.take()
+            if self._cancelled:
+                batch = self._drop_cancelled(batch)
+                if not batch:
+                    continue
             self._gauges()
             inputs = [
                 PrefillInput(
@@ -145,9 +173,29 @@ class PrefillWorker:
                 if int(meta["max_tokens"]) <= 1:
                     q.put_nowait({"id": meta["id"], "done": True})
                     continue
+                rid = str(meta["id"])
+                if rid in self._cancelled:  # cancelled while its prefill ran
+                    self._cancelled.discard(rid)
+                    q.put_nowait({"id": rid, "error": "cancelled: the client went away", "cancelled": True})
+                    continue
+                self._queued.discard(rid)
                 task = asyncio.create_task(self._handoff(meta, out, q))
                 self._tasks.add(task)
+                self._handoffs[rid] = task
                 task.add_done_callback(self._tasks.discard)
+                task.add_done_callback(lambda _t, rid=rid: self._handoffs.pop(rid, None))
+
+    def _drop_cancelled(self, batch: list[Pending]) -> list[Pending]:
+        keep = []
+        for meta, q in batch:
+            rid = str(meta["id"])
+            if rid in self._cancelled:
+                self._cancelled.discard(rid)
+                self._rows.pop(rid, None)
+                q.put_nowait({"id": rid, "error": "cancelled: the client went away", "cancelled": True})
+            else:
+                keep.append((meta, q))
+        return keep
 
     async def _handoff(
         self, meta: dict[str, Any], out: PrefillOutput, q: asyncio.Queue[dict[str, Any]]
@@ -198,6 +246,9 @@ class PrefillWorker:
             q.put_nowait({"id": rid, "done": True, "finish_reason": finish or "length"})
         except StageError as exc:
             q.put_nowait({"id": rid, "error": str(exc)})
+        except asyncio.CancelledError:  # cancel(): the envelope's stream still counts it as ended
+            q.put_nowait({"id": rid, "error": "cancelled: the client went away", "cancelled": True})
+            raise
         except Exception as exc:  # never leave a request hanging
             log.exception("handoff failed")
             q.put_nowait({"id": rid, "error": f"decode handoff failed: {exc}"})
