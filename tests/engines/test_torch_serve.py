@@ -40,13 +40,17 @@ spec:
 """
 
 
+_WORKDIR: dict[str, Path] = {}
+"""The served deployment's workdir (its processes.json names each worker's metrics port)."""
+
+
 @pytest.fixture(scope="module")
 def served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("torch-serve")
     spec = tmp / "spec.yaml"
     spec.write_text(SPEC.format(path=model_dirs["llava-next"]))
     port = free_port()
-    env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="512", OMP_NUM_THREADS="1")
+    env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="1536", OMP_NUM_THREADS="1")
     logpath = tmp / "serve.log"
     with open(logpath, "wb") as log:
         proc = subprocess.Popen(
@@ -61,6 +65,7 @@ def served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
                 logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp / "wd").glob("*.log"))
                 raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-2000:]}\n{logs}")
             time.sleep(0.5)
+        _WORKDIR["wd"] = tmp / "wd"
         yield f"http://127.0.0.1:{port}/v1"
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -152,3 +157,44 @@ def test_ignore_eos_generates_max_tokens_past_stop_tokens(served: str) -> None:
     with pytest.raises(openai.BadRequestError, match="ignore_eos"):
         client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=4,
                                        extra_body={"ignore_eos": "yes"})
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_decode_slot(served: str, model_dirs: dict[str, Path]) -> None:
+    """The torch engine's decode slot is freed when the client leaves: the decode worker counts the
+    request as cancelled, its batch is empty, and the next request is served in full. (The whole
+    ~1,400 tokens take about 3 s on this tiny model on a CPU, so the cancel, which follows the
+    third token, has seconds to arrive.)"""
+    import json
+    import urllib.request
+
+    procs = json.loads((_WORKDIR["wd"] / "processes.json").read_text())["processes"]
+    port = next(p["system_port"] for p in procs if p["stage"] == "decode")
+
+    def decode_metric(name: str, labels: str) -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name + "{") and labels in line)
+
+    before = decode_metric("easerve_stage_requests_total", 'status="cancelled"')
+    n = 1500 - prompt_len(model_dirs["llava-next"])  # EASERVE_TORCH_MAX_LEN is 1536: seconds of decode
+    client = openai.OpenAI(base_url=served, api_key="none", timeout=120)
+    stream = client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=n, temperature=0,
+                                            stream=True, extra_body={"ignore_eos": True})
+    got = 0
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content is not None:
+            got += 1
+            if got == 3:
+                break
+    stream.close()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and decode_metric("easerve_stage_requests_total", 'status="cancelled"') < before + 1:
+        time.sleep(0.1)
+    assert decode_metric("easerve_stage_requests_total", 'status="cancelled"') == before + 1, f"{n} tokens ran out"
+    while time.monotonic() < deadline and decode_metric("easerve_stage_inflight", 'stage="decode"') > 0:
+        time.sleep(0.1)
+    assert decode_metric("easerve_stage_inflight", 'stage="decode"') == 0
+    r = client.chat.completions.create(model="tiny-llava", messages=MESSAGES, max_tokens=16, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16
+

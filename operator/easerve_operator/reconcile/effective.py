@@ -245,33 +245,35 @@ def resolve(
     upd: dict[str, Any] = {}
     sources = dict(r.sources)
     alloc_label: str | None = None
+    base: EPDDeploymentSpec = r.spec
     if adapt.get("allocation") and knobs.get("offloadRatio") is not None:
         try:
-            laid = lay_allocation(raw, r.spec, Allocation.model_validate(adapt["allocation"]), float(knobs["offloadRatio"]))
+            laid = lay_allocation(raw, base, Allocation.model_validate(adapt["allocation"]), float(knobs["offloadRatio"]))
         except ValueError:
             laid = None
-        if laid is not None and laid.allocation != r.spec.allocation:
-            for f, before, after in (("allocation", r.spec.allocation, laid.allocation),
-                                     ("offload.ratio", r.spec.offload.ratio, laid.offload.ratio),
-                                     ("smPartition.mode", r.spec.sm_partition.mode, laid.sm_partition.mode)):
+        if laid is not None and laid.allocation != base.allocation:
+            for f, before, after in (("allocation", base.allocation, laid.allocation),
+                                     ("offload.ratio", base.offload.ratio, laid.offload.ratio),
+                                     ("smPartition.mode", base.sm_partition.mode, laid.sm_partition.mode)):
                 if before != after:
                     sources[f] = "adapted"
             alloc_label = laid.allocation.label()
-            r = Resolved(laid, sources, tuned=r.tuned)
+            base = laid
+    before_knobs = dict(sources)
     b = knobs.get("batchBound")
-    if "encode.batchBound" in unset and b is not None and int(b) != r.spec.encode.batch_bound:
-        upd["encode"] = r.spec.encode.model_copy(update={"batch_bound": int(b)})
+    if "encode.batchBound" in unset and b is not None and int(b) != base.encode.batch_bound:
+        upd["encode"] = base.encode.model_copy(update={"batch_bound": int(b)})
         sources["encode.batchBound"] = "adapted"
     s_new = knobs.get("offloadRatio")
-    if ("offload.ratio" in unset and s_new is not None and float(s_new) != r.spec.offload.ratio
-            and 0.0 < float(s_new) < 1.0 and 0.0 < r.spec.offload.ratio < 1.0):  # within the pod layout
-        upd["offload"] = r.spec.offload.model_copy(update={"ratio": float(s_new)})
+    if ("offload.ratio" in unset and s_new is not None and float(s_new) != base.offload.ratio
+            and 0.0 < float(s_new) < 1.0 and 0.0 < base.offload.ratio < 1.0):  # within the pod layout
+        upd["offload"] = base.offload.model_copy(update={"ratio": float(s_new)})
         sources["offload.ratio"] = "adapted"
     if not upd and alloc_label is None:
         return r
-    out = r.spec.model_copy(update=upd)
+    out = base.model_copy(update=upd)
     if cross_field_errors(out):
-        out, sources = r.spec, dict(r.sources)  # an adapted knob that cannot run here is not laid over
+        out, sources = base, before_knobs  # an adapted knob that cannot run here is not laid over
     return Resolved(out, sources, tuned=r.tuned, adapted=(out.encode.batch_bound, out.offload.ratio),
                     adapted_allocation=alloc_label)
 

@@ -12,6 +12,7 @@ multiplexed on that envelope's stream, tagged with the request id.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -183,7 +184,10 @@ class PrefillWorker:
                 self._tasks.add(task)
                 self._handoffs[rid] = task
                 task.add_done_callback(self._tasks.discard)
-                task.add_done_callback(lambda _t, rid=rid: self._handoffs.pop(rid, None))
+                task.add_done_callback(functools.partial(self._handoff_done, rid))
+
+    def _handoff_done(self, rid: str, _task: asyncio.Task[None]) -> None:
+        self._handoffs.pop(rid, None)
 
     def _drop_cancelled(self, batch: list[Pending]) -> list[Pending]:
         keep = []
