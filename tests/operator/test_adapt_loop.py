@@ -288,3 +288,25 @@ def test_an_explicit_allocation_is_only_recommended_even_when_changes_are_allowe
     assert any(d["recommendedAllocation"] for d in ds) and out[-1]["allocation"] is None
     r = resolve(raw, parse_spec(raw), tuned(raw), None, {**out[-1], "allocation": tuned_alloc(raw)["best"]["specAllocation"]})
     assert r.sources["allocation"] == "spec"
+
+
+def test_a_restart_keeps_the_s_of_an_applied_allocation_whose_base_layout_pins_s() -> None:
+    """The tuned layout runs s = 1 (pinned: no local prefill), the applied one s = 0.5. After an
+    operator restart the loop must restore the applied layout *with its own s*, not the base's."""
+    raw = realloc_raw()
+    spec = parse_spec(raw)
+    tun = tuned_alloc(raw)
+    tun["best"]["offloadRatio"] = 1.0
+    base = resolve(raw, spec, tun, None).spec
+    assert base is not None and base.offload.ratio == 1.0
+    assert pinned_knobs(raw, base) == frozenset({"offload_ratio"})
+    applied = {"encode": {"replicas": 2, "tensorParallel": 1}, "prefill": {"replicas": 1, "tensorParallel": 2},
+               "decode": {"replicas": 1, "tensorParallel": 4}}
+    status = {"knobs": {"batchBound": 2, "offloadRatio": 0.5}, "referenceRate": 0.5, "allocation": applied}
+    loop = AdaptLoop(Rates(Clock(), [(1e9, 0.5)]), requests=120)
+    st = loop.step(raw, base, status)
+    assert st is not None and st.allocation_label == "2E-1P(tp2)-1D(tp4)"
+    assert st.knobs.offload_ratio == 0.5 and st.knobs.batch_bound == 2 and st.pinned == []
+    r = resolve(raw, spec, tun, None, st.model_dump(mode="json", by_alias=True))
+    assert r.spec is not None and r.spec.allocation.label() == "2E-1P(tp2)-1D(tp4)" and r.spec.offload.ratio == 0.5
+    assert r.spec.sm_partition.mode == "dynamic" and r.sources["smPartition.mode"] == "adapted"

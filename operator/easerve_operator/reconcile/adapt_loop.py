@@ -192,9 +192,13 @@ class AdaptLoop:
         knobs = prev.get("knobs") or {}
         cur = Knobs(int(knobs.get("batchBound", spec.encode.batch_bound)),
                     float(knobs.get("offloadRatio", spec.offload.ratio)))
+        applied = self._applied_allocation(prev, spec, cur)
+        if applied is not None:  # the layout rolled to runs its own s; pin what its layout fixes
+            pinned = pinned_knobs(self.raw, with_knobs(lay_allocation(self.raw, spec, applied, cur.offload_ratio)
+                                                       or spec, cur))
         if "batch_bound" in pinned:
             cur = Knobs(spec.encode.batch_bound, cur.offload_ratio)
-        if "offload_ratio" in pinned:
+        if "offload_ratio" in pinned and applied is None:
             cur = Knobs(cur.batch_bound, spec.offload.ratio)
         ref = float(prev.get("referenceRate") or spec.tuning.target_rate or 1.0)
         params = dataclasses.replace(AdaptParams.from_spec(spec.tuning.adapt),
@@ -231,16 +235,9 @@ class AdaptLoop:
 
         pilot = Autopilot(params, cur, ref, retune, pinned=pinned)
         holder.append(pilot)
-        applied = prev.get("allocation")
-        if applied and self._may_reallocate():
-            try:
-                a = Allocation.model_validate(applied)
-                if lay_allocation(self.raw, spec, a, cur.offload_ratio) is not None and a != spec.allocation:
-                    pilot.allocation = a.label()
-                    self.allocations[a.label()] = a
-                    pilot.pinned = pinned_knobs(self.raw, self.running(pilot))
-            except ValueError:
-                pass
+        if applied is not None:
+            pilot.allocation = applied.label()
+            self.allocations[applied.label()] = applied
         self.decisions = list(prev.get("decisions") or [])
         cal = prev.get("calibration")
         try:
@@ -249,6 +246,20 @@ class AdaptLoop:
         except ValueError:
             self.calibration = None
         return pilot
+
+    def _applied_allocation(self, prev: Mapping[str, Any], spec: EPDDeploymentSpec, knobs: Knobs) -> Allocation | None:
+        """The allocation an earlier change applied (``status.adapt.allocation``), if it still may
+        run: the manifest still leaves the allocation to the autopilot and the layout takes ``knobs``."""
+        raw = prev.get("allocation")
+        if not raw or not self._may_reallocate():
+            return None
+        try:
+            a = Allocation.model_validate(raw)
+        except ValueError:
+            return None
+        if a == spec.allocation or lay_allocation(self.raw, spec, a, knobs.offload_ratio) is None:
+            return None
+        return a
 
     def _may_reallocate(self) -> bool:
         return self.base is not None and lay_allocation(self.raw, self.base, self.base.allocation, self.base.offload.ratio) is not None
