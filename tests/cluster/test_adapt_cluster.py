@@ -39,6 +39,24 @@ def step_trace(spec: Any) -> list[Any]:
     return out
 
 
+def apply_and_wait_tuned(c: PodsCluster, ns: str, doc: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+    """Apply the manifest; wait for its search to end and its pods to serve; (name, status)."""
+    name = doc["metadata"]["name"]
+    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 300
+    st: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        st = c.epd(ns, name).get("status") or {}
+        if (st.get("tuning") or {}).get("phase") == "Ready" and st.get("phase") == "Ready":
+            break
+        time.sleep(1)
+    else:
+        pytest.fail(f"not Ready: {json.dumps(st)[:1500]}\n{c.diagnose(ns)}")
+    c.wait_ready(ns, name, timeout=120)
+    return name, st
+
+
 @pytest.mark.timeout(900)
 def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> None:
     from easerve_runtime.api import load_manifest
@@ -61,18 +79,7 @@ def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> No
     # request must still complete
     sp.setdefault("limits", {})["maxQueuedRequests"] = 64
     sp["pod"] = {"env": [{"name": "EASERVE_SIM_SPEEDUP", "value": "2"}, {"name": "EASERVE_SIM_BYTES_SCALE", "value": "0.01"}]}
-    name = doc["metadata"]["name"]
-    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-    assert r.returncode == 0, r.stderr
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        st = c.epd(ns, name).get("status") or {}
-        if (st.get("tuning") or {}).get("phase") == "Ready" and st.get("phase") == "Ready":
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"not Ready: {json.dumps(st)[:1500]}\n{c.diagnose(ns)}")
-    c.wait_ready(ns, name, timeout=120)
+    name, st = apply_and_wait_tuned(c, ns, doc)
     tuned = st["effective"]
     pods_before = {p["metadata"]["name"] for p in c.pods(ns, name)}
     pids_before = dict(c.runner.pids(ns))
@@ -128,19 +135,7 @@ def test_an_allowed_allocation_change_rolls_the_pods_under_load(pods_cluster: Po
     sp.setdefault("limits", {})["maxQueuedRequests"] = 64
     sp["pod"] = {"env": [{"name": "EASERVE_SIM_SPEEDUP", "value": "2"}, {"name": "EASERVE_SIM_BYTES_SCALE", "value": "0.01"},
                          {"name": "EASERVE_SIM_COST_SCALE", "value": "decode=2"}]}
-    name = doc["metadata"]["name"]
-    r = c.kubectl("apply", "-n", ns, "-f", "-", input=yaml.safe_dump(doc))
-    assert r.returncode == 0, r.stderr
-    deadline = time.monotonic() + 300
-    st: dict[str, Any] = {}
-    while time.monotonic() < deadline:
-        st = c.epd(ns, name).get("status") or {}
-        if (st.get("tuning") or {}).get("phase") == "Ready" and st.get("phase") == "Ready":
-            break
-        time.sleep(1)
-    else:
-        pytest.fail(f"not Ready: {json.dumps(st)[:1500]}\n{c.diagnose(ns)}")
-    c.wait_ready(ns, name, timeout=120)
+    name, st = apply_and_wait_tuned(c, ns, doc)
     tuned = st["effective"]
     assert tuned["sources"]["allocation"] == "tuned"
     pods_before = {p["metadata"]["name"]: p["metadata"]["labels"]["easerve.io/stage"] for p in c.pods(ns, name)}
