@@ -52,6 +52,17 @@ EMBED_ITEMSIZE = 2
 COST_STAGES = ("encode", "prefill", "decode")
 
 
+def _positive(name: str, raw: str, text: str) -> float:
+    """``text`` as a positive finite float, or an error that names the variable ``name=raw``."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: {text!r} is not a number") from None
+    if not v > 0 or math.isinf(v):
+        raise ValueError(f"{name}={raw!r}: must be a positive finite number")
+    return v
+
+
 def env_cost_scale(name: str = "EASERVE_SIM_COST_SCALE") -> dict[str, float]:
     """``stage=factor`` pairs, comma-separated, from the environment; an error names the variable."""
     raw = os.environ.get(name, "").strip()
@@ -61,13 +72,7 @@ def env_cost_scale(name: str = "EASERVE_SIM_COST_SCALE") -> dict[str, float]:
         stage = stage.strip()
         if not sep or stage not in COST_STAGES:
             raise ValueError(f"{name}={raw!r}: expected stage=factor pairs, stage one of {', '.join(COST_STAGES)}")
-        try:
-            v = float(val)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r}: {val!r} is not a number") from None
-        if not v > 0 or math.isinf(v):
-            raise ValueError(f"{name}={raw!r}: factors must be positive finite numbers")
-        out[stage] = v
+        out[stage] = _positive(name, raw, val)
     return out
 
 
@@ -76,13 +81,7 @@ def env_float(name: str, default: float) -> float:
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
-    try:
-        v = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r}: not a number") from None
-    if not v > 0 or math.isinf(v):
-        raise ValueError(f"{name}={raw!r}: must be a positive finite number")
-    return v
+    return _positive(name, raw, raw)
 
 
 def token_at(seed: int, position: int) -> int:
