@@ -160,6 +160,7 @@ class EncodePool:
         self.handlers = handlers
         self.outstanding: dict[int, int] = {}
         self.sent: list[tuple[int, dict[str, Any]]] = []
+        self.abandoned = 0  # streams left before their end (the real pool stops their Dynamo context)
         self._picker = LeastOutstanding()
 
     def instances(self) -> list[int]:
@@ -175,15 +176,18 @@ class EncodePool:
         iid = instance if instance is not None else self.pick()
         self.sent.append((iid, request))
         self.outstanding[iid] = self.outstanding.get(iid, 0) + 1
+        completed = False
         try:
             async for item in self.handlers[iid](request):
                 yield item
+            completed = True
         except StageError:
             raise
         except Exception as exc:
             raise StageError(f"encode {iid} failed: {exc}") from exc
         finally:
             self.outstanding[iid] -= 1
+            self.abandoned += not completed
 
 
 def serving(n: int = 3) -> Handler:
@@ -516,3 +520,20 @@ def test_capacity_is_shared_among_the_frontends(monkeypatch: pytest.MonkeyPatch)
     assert measured_capacity(c) == pytest.approx(whole / 4)
     monkeypatch.delenv(FRONTENDS_ENV)  # in pods: one frontend per encode replica
     assert measured_capacity(c) == pytest.approx(whole / c.spec.allocation.encode.replicas)
+
+
+def test_a_finished_request_reads_its_encode_stream_to_the_end() -> None:
+    """The frontend reads each encode stream on past its ``done`` item to the stream's end, so the
+    pool never takes a finished request for one it gave up on (and stops its Dynamo context)."""
+    pool = EncodePool({1: serving(), 2: serving()})
+    fe = frontend(pool)
+
+    async def go(s: aiohttp.ClientSession, url: str) -> list[int]:
+        out = []
+        for stream in (False, True, False, True):
+            st, _, _ = await post(s, url, chat(stream=stream))
+            out.append(st)
+        return out
+
+    assert run(fe, go) == [200] * 4  # asyncio.run closes any stream left suspended before it returns
+    assert len(pool.sent) == 4 and pool.abandoned == 0

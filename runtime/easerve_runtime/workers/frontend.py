@@ -374,6 +374,7 @@ class Frontend:
             if instance is not None:
                 tried.add(instance)
             try:
+                done: dict[str, Any] | None = None
                 async for item in self.encode.stream(self._wire(req, rid, deadline), instance=instance):
                     if "error" in item:
                         raise StageError(str(item["error"]))
@@ -383,8 +384,11 @@ class Frontend:
                             on_first()
                         yield "token", int(item["token"])
                     elif item.get("done"):
-                        yield "done", item
-                        return
+                        done = item  # read on to the stream's end (it follows at once): leaving
+                        # here would make the pool stop the Dynamo context of a finished request
+                if done is not None:
+                    yield "done", done
+                    return
                 raise StageError("encode stream ended before the request finished")
             except StageError as exc:
                 if got:
