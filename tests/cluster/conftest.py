@@ -84,6 +84,35 @@ class PodsCluster:
             self._prometheus = str(self.cluster.start_prometheus())
         return self._prometheus
 
+    def confirm_operator_reconciles(self, timeout: float = 60.0, attempts: int = 2) -> None:
+        """Hand out the cluster only once the operator has handled an object in a watched namespace.
+
+        A live health endpoint says kopf started, not that its watchers run: once, in a full CI run,
+        the first test's object was never handled by a freshly started operator (its log ended at
+        kopf's start-up). A probe EPDDeployment in a fresh ``pods-*`` namespace must get its status
+        (``observedGeneration``) within `timeout`; if it does not, the end of the operator's log is
+        printed and the operator is restarted, once. The probe is deleted before any test runs."""
+        for attempt in range(1, attempts + 1):
+            ns = self.namespace()
+            name = self.apply_example(REPO / "examples" / "llava-v1.6-34b.yaml", ns, EASERVE_SIM_SPEEDUP=SIM_SPEEDUP)
+            deadline = time.monotonic() + timeout
+            handled = False
+            while time.monotonic() < deadline and not handled:
+                handled = bool((self.epd(ns, name).get("status") or {}).get("observedGeneration"))
+                if not handled:
+                    time.sleep(0.3)
+            self.kubectl("delete", "epd", "--all", "-n", ns, "--wait=true", "--timeout=60s")
+            self.delete_namespace_and_wait(ns)
+            if handled:
+                return
+            log = self.work / "operator.log"
+            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+            print(f"pods_cluster: the operator did not handle {ns}/{name} in {timeout:.0f} s "
+                  f"(attempt {attempt}); restarting it. Its log ends:\n{tail}", file=sys.stderr)
+            self.kill_operator()
+            self.start_operator()
+        raise RuntimeError(f"the operator handled no object in {attempts} attempts; see {self.work}")
+
     def kill_operator(self) -> int:
         """SIGKILL the operator (no cleanup of its own); returns its exit status."""
         self.operator.kill()
@@ -249,6 +278,7 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         op = subprocess.Popen(argv, stdout=(work / "operator.log").open("wb"), stderr=subprocess.STDOUT, env=env)
         wait_http(f"http://127.0.0.1:{health}/healthz", 60, op)
         pc = PodsCluster(cluster, op, work, argv, env)
+        pc.confirm_operator_reconciles()
         yield pc
         op = pc.operator
     finally:
