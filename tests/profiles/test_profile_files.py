@@ -336,3 +336,53 @@ def test_admission_and_reconcile_refuse_a_wrong_encoder() -> None:
     parsed, errors = _parse(bad)
     assert parsed is None and len(errors) == 1
     assert errors[0].startswith("spec.model.encoder: ") and "whisper-large-v3" in errors[0]
+
+
+def _fabric_file(tmp_path: Path, embedding_ms: float) -> Path:
+    """The shipped LLaVA profile on an H200 whose NVLink entry carries its own embedding setup cost."""
+    links = _data("links.json")
+    return _write(tmp_path, {"profile": "llava-v1.6-34b@h200",
+                             "links": {"nvlink": {**links["nvlink"], "embedding_setup_ms": embedding_ms}}},
+                  name=f"fabric-{embedding_ms}.json")
+
+
+def test_a_fabric_sets_the_setup_of_each_transfer_path(tmp_path: Path) -> None:
+    """The embedding and KV paths each have a setup cost; a file sets one without the other."""
+    shipped = load_profile("llava-v1.6-34b@h200")
+    base = shipped.hw.link.transfer_setup_s
+    assert shipped.transfer_s(0, path="embedding") == shipped.transfer_s(0, path="kv") == pytest.approx(base)
+    slow = load_profile_file(_fabric_file(tmp_path, 250.0))
+    assert slow.transfer_s(0, path="embedding") == pytest.approx(0.25)
+    assert slow.transfer_s(0, transfers=4, path="embedding") == pytest.approx(1.0)
+    assert slow.transfer_s(0, path="kv") == pytest.approx(base)  # the KV path keeps the link's own
+    with pytest.raises(ValueError, match="'embedding' or 'kv'"):
+        slow.transfer_s(1, path="rdma")
+    bad = json.loads(_fabric_file(tmp_path, 1.0).read_text())
+    bad["links"]["nvlink"]["kv_setup_ms"] = -1
+    with pytest.raises(ProfileFileError, match=r"links\.nvlink\.kv_setup_ms"):
+        parse_profile_file(bad)
+
+
+def test_envelopes_amortise_the_embedding_setup_in_the_twin(tmp_path: Path) -> None:
+    """On the twin, the embedding setup is paid once per envelope. All prefill remote (s = 1),
+    under a load at which micro-batches form: pass-through (B = 1) pays it on every request, B = 8
+    on fewer transfers, so its TTFT grows less with the cost."""
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    def run(embedding_ms: float, b: int) -> dict[str, Any]:
+        d = _spec(profileFile=str(_fabric_file(tmp_path, embedding_ms)))
+        d["encode"]["batchBound"] = b
+        d["offload"]["ratio"], d["smPartition"]["mode"] = 1.0, "none"
+        spec = parse_spec(d)
+        res = simulate(spec, generate(spec, 30.0, 80, seed=0))
+        return {"ttft": res.summary["ttft_mean"], "transfers": res.stats["embedding_transfers"],
+                "batch": res.stats["mean_encode_batch"], "completed": res.summary["completed"]}
+
+    cheap1, dear1 = run(0.3, 1), run(200.0, 1)
+    cheap8, dear8 = run(0.3, 8), run(200.0, 8)
+    assert cheap1["completed"] == dear1["completed"] == cheap8["completed"] == dear8["completed"] == 80
+    assert dear1["transfers"] == 80 and dear8["batch"] > 1.0
+    assert dear8["transfers"] < dear1["transfers"]  # one transfer per destination per micro-batch
+    assert dear1["ttft"] - cheap1["ttft"] >= 0.2 * 0.9  # every request pays one setup at least
+    assert dear8["ttft"] - cheap8["ttft"] < dear1["ttft"] - cheap1["ttft"]

@@ -49,7 +49,7 @@ class FakeProfile:
         self.calls.append(("decode", (batch, context)))
         return 0.001
 
-    def transfer_s(self, nbytes: int) -> float:
+    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float:
         return 0.0
 
     def kv_bytes(self, tokens: int) -> int:

@@ -17,7 +17,7 @@ class ToyProfile:
     def decode_step_s(self, batch: int, context_tokens: float, tp: int = 1) -> float:
         return (0.020 + 0.0005 * batch + 1e-8 * context_tokens * batch) / tp**0.5
 
-    def transfer_s(self, nbytes: int) -> float:
+    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float:
         return 0.001 + nbytes / 10e9
 
     def kv_bytes(self, tokens: int) -> int:

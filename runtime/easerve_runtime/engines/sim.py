@@ -192,7 +192,7 @@ class SimEngine:
     # -- DecodeEngine ---------------------------------------------------------------------
     async def receive_kv(self, kv_bytes: int) -> None:
         if kv_bytes > 0:
-            await self._wait(self.profile.transfer_s(kv_bytes))
+            await self._wait(self.profile.transfer_s(kv_bytes, path="kv"))
 
     async def decode_step(self, batch: Sequence[DecodeSequence]) -> list[int]:
         if not batch:

@@ -26,6 +26,17 @@ class Link:
     efficiency: float
     allreduce_latency_s: float
     transfer_setup_s: float
+    embedding_setup_s: float
+    """Fixed cost of one embedding transfer (an envelope): ``transfer_setup_s`` unless the link sets it."""
+    kv_setup_s: float
+    """Fixed cost of one KV handoff: ``transfer_setup_s`` unless the link sets it."""
+
+    def setup_s(self, path: str) -> float:
+        if path == "embedding":
+            return self.embedding_setup_s
+        if path == "kv":
+            return self.kv_setup_s
+        raise ValueError(f"transfer path must be 'embedding' or 'kv', got {path!r}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -59,6 +70,11 @@ class GPU:
         return self.hbm_gbps * 1e9
 
 
+def _ms_or(value: Any, default: Any) -> float:
+    """A path's own setup (ms) when the link sets it (a file's entry may carry it as null), else the link's."""
+    return float(default if value is None else value)
+
+
 def gpu(name: str, gpus: dict[str, Any] | None = None, links: dict[str, Any] | None = None) -> GPU:
     """The GPU ``name`` from ``gpus``/``links`` (default: the shipped ``gpus.json``/``links.json``;
     a profile file passes the shipped entries merged with its own)."""
@@ -74,6 +90,8 @@ def gpu(name: str, gpus: dict[str, Any] | None = None, links: dict[str, Any] | N
         efficiency=float(lk["efficiency"]),
         allreduce_latency_s=float(lk["allreduce_latency_us"]) * 1e-6,
         transfer_setup_s=float(lk["transfer_setup_ms"]) * 1e-3,
+        embedding_setup_s=_ms_or(lk.get("embedding_setup_ms"), lk["transfer_setup_ms"]) * 1e-3,
+        kv_setup_s=_ms_or(lk.get("kv_setup_ms"), lk["transfer_setup_ms"]) * 1e-3,
     )
     return GPU(
         name=name,

@@ -203,12 +203,15 @@ class Profile:
             t += k["allreduces"] * self.hw.link.allreduce_s(batch * k["act_bytes_per_token"], tp)
         return t
 
-    def transfer_s(self, nbytes: int, transfers: int = 1) -> float:
-        """``transfers`` point-to-point sends totalling ``nbytes`` over this GPU's link."""
+    def transfer_s(self, nbytes: int, transfers: int = 1, *, path: str = "embedding") -> float:
+        """``transfers`` point-to-point sends totalling ``nbytes`` over this GPU's link, on the
+        embedding path (envelopes) or the KV path (handoffs): each path has its own setup cost,
+        because a fabric's per-transfer registration and metadata cost is what envelopes amortise."""
+        link = self.hw.link
+        setup = link.setup_s(path)
         if transfers <= 0 and nbytes <= 0:
             return 0.0
-        link = self.hw.link
-        return max(0, transfers) * link.transfer_setup_s + max(0, nbytes) / link.bytes_per_s
+        return max(0, transfers) * setup + max(0, nbytes) / link.bytes_per_s
 
     def local_prefill_efficiency(self, encode_sm_share: float, encode_busy: float = 1.0) -> float:
         """α: throughput of a local prefill worker relative to one owning a whole GPU, when the

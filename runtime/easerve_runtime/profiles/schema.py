@@ -106,6 +106,12 @@ class LinkDoc(_Doc):
     efficiency: float = Field(gt=0, le=1)
     allreduce_latency_us: float = Field(ge=0)
     transfer_setup_ms: float = Field(ge=0)
+    embedding_setup_ms: float | None = Field(
+        default=None, ge=0,
+        description="Setup of one embedding transfer (one envelope), if it differs from transfer_setup_ms: "
+        "the fabric's per-transfer registration and metadata cost on the embedding path.")
+    kv_setup_ms: float | None = Field(
+        default=None, ge=0, description="Setup of one KV handoff, if it differs from transfer_setup_ms.")
 
 
 def _batch_table(v: dict[str, float] | None, what: str) -> dict[str, float] | None:

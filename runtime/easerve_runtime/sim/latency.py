@@ -32,7 +32,7 @@ class LatencyProfile(Protocol):
         """``context_tokens``: KV tokens cached across the whole batch (a total, not a mean)."""
         ...
 
-    def transfer_s(self, nbytes: int) -> float: ...
+    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float: ...
 
     def kv_bytes(self, tokens: int) -> int: ...
 
@@ -78,7 +78,7 @@ class StageModel:
         self.scales = scales or StageScales()
         self._encode: dict[tuple[int, float], float] = {}
         self._prefill: dict[tuple[int, int, float, int], float] = {}
-        self._transfer: dict[int, float] = {}
+        self._transfer: dict[tuple[str, int], float] = {}
         self._kv: dict[int, int] = {}
         self._prefill_tp = _tp_kw(profile.prefill_s)
         self._decode_tp = _tp_kw(profile.decode_step_s)
@@ -137,10 +137,11 @@ class StageModel:
         return v * self.scales.decode
 
     # -- bytes ----------------------------------------------------------------------------
-    def transfer_s(self, nbytes: int) -> float:
-        v = self._transfer.get(nbytes)
+    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float:
+        key = (path, nbytes)
+        v = self._transfer.get(key)
         if v is None:
-            v = self._transfer[nbytes] = float(self.profile.transfer_s(nbytes))
+            v = self._transfer[key] = float(self.profile.transfer_s(nbytes, path=path))
         return v
 
     def kv_bytes(self, tokens: int) -> int:

@@ -23,7 +23,7 @@ Modelling choices (documented in docs/twin.md):
   the window full the encoder waits, as the live one does.
 - The local prefill worker's speed follows its SM share, which changes whenever its encoder starts
   or finishes a micro-batch: its remaining work is re-timed at every change (progress-based).
-- KV handoff costs ``transfer_s(kv_bytes(prompt))`` per request, concurrently.
+- KV handoff costs ``transfer_s(kv_bytes(prompt), path="kv")`` per request, concurrently.
 - Decode is continuous batching: requests join at step boundaries, one token per step, step
   time from batch size and the context summed over the batch.
 """
@@ -183,7 +183,7 @@ class KVHandoff:
         name = self.picker.pick([d.name for d in self.decoders], self.outstanding)
         dec = self.by_name[name]
         dec.outstanding += 1
-        dt = self.model.transfer_s(self.model.kv_bytes(job.tokens))
+        dt = self.model.transfer_s(self.model.kv_bytes(job.tokens), path="kv")
         self.loop.at(now + dt, dec.admit, job)
 
 
