@@ -6,7 +6,10 @@ import json
 from dataclasses import dataclass
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, Literal
+
+TransferPath = Literal["embedding", "kv"]
+"""The two transfer paths with a setup cost of their own: envelopes of embeddings, KV handoffs."""
 
 BYTES_BF16 = 2
 
@@ -31,7 +34,7 @@ class Link:
     kv_setup_s: float
     """Fixed cost of one KV handoff: ``transfer_setup_s`` unless the link sets it."""
 
-    def setup_s(self, path: str) -> float:
+    def setup_s(self, path: TransferPath) -> float:
         if path == "embedding":
             return self.embedding_setup_s
         if path == "kv":

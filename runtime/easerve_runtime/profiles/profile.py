@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easerve_runtime.profiles.calibration import REF_GPU, Calibration, EncoderCalib
-from easerve_runtime.profiles.hardware import BYTES_BF16, GPU, Backbone, gpu
+from easerve_runtime.profiles.hardware import BYTES_BF16, GPU, Backbone, TransferPath, gpu
 
 TP_CHOICES = (1, 2, 4, 8)
 USABLE_MEMORY_FRACTION = 0.90
@@ -203,7 +203,7 @@ class Profile:
             t += k["allreduces"] * self.hw.link.allreduce_s(batch * k["act_bytes_per_token"], tp)
         return t
 
-    def transfer_s(self, nbytes: int, transfers: int = 1, *, path: str = "embedding") -> float:
+    def transfer_s(self, nbytes: int, transfers: int = 1, *, path: TransferPath = "embedding") -> float:
         """``transfers`` point-to-point sends totalling ``nbytes`` over this GPU's link, on the
         embedding path (envelopes) or the KV path (handoffs): each path has its own setup cost,
         because a fabric's per-transfer registration and metadata cost is what envelopes amortise."""

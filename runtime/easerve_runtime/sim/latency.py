@@ -12,9 +12,12 @@ from __future__ import annotations
 import inspect
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from easerve_runtime.api import DecodeSpec
+
+if TYPE_CHECKING:
+    from easerve_runtime.profiles.hardware import TransferPath
 
 KV_MEMORY_UTILISATION: float = DecodeSpec().kv_memory_fraction
 """Fraction of GPU memory an engine may use for weights + KV (``spec.decode.kvMemoryFraction``'s
@@ -32,7 +35,7 @@ class LatencyProfile(Protocol):
         """``context_tokens``: KV tokens cached across the whole batch (a total, not a mean)."""
         ...
 
-    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float: ...
+    def transfer_s(self, nbytes: int, *, path: TransferPath = "embedding") -> float: ...
 
     def kv_bytes(self, tokens: int) -> int: ...
 
@@ -137,7 +140,7 @@ class StageModel:
         return v * self.scales.decode
 
     # -- bytes ----------------------------------------------------------------------------
-    def transfer_s(self, nbytes: int, *, path: str = "embedding") -> float:
+    def transfer_s(self, nbytes: int, *, path: TransferPath = "embedding") -> float:
         key = (path, nbytes)
         v = self._transfer.get(key)
         if v is None:

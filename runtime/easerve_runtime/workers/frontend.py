@@ -376,6 +376,8 @@ class Frontend:
             try:
                 done: dict[str, Any] | None = None
                 async for item in self.encode.stream(self._wire(req, rid, deadline), instance=instance):
+                    if done is not None:
+                        continue  # the request has finished: nothing after its done item counts
                     if "error" in item:
                         raise StageError(str(item["error"]))
                     if "token" in item:
