@@ -23,6 +23,7 @@ COMMANDS: dict[str, str] = {
     "worker": "easerve_runtime.cli.worker",
     "bench": "easerve_runtime.cli.bench",
     "sim": "easerve_runtime.cli.sim",
+    "profile": "easerve_runtime.cli.profile",
     "profile-partition": "easerve_runtime.cli.profile_partition",
     "profile-stage": "easerve_runtime.cli.profile_stage",
     "partition-controller": "easerve_runtime.cli.partition_controller",

@@ -386,3 +386,73 @@ def test_envelopes_amortise_the_embedding_setup_in_the_twin(tmp_path: Path) -> N
     assert dear8["transfers"] < dear1["transfers"]  # one transfer per destination per micro-batch
     assert dear1["ttft"] - cheap1["ttft"] >= 0.2 * 0.9  # every request pays one setup at least
     assert dear8["ttft"] - cheap8["ttft"] < dear1["ttft"] - cheap1["ttft"]
+
+
+# ------------------------------------------------------------------------------ measured on an engine
+def _engine_doc() -> dict[str, Any]:
+    return {
+        "profile": "llava-v1.6-34b@h200",
+        "engine": {
+            "engine": "torch", "device": "cuda:0 (test)",
+            "encode": [{"items": 5, "ms": 40.0}, {"items": 5, "ms": 44.0}, {"items": 40, "ms": 230.0}],
+            "prefill": [{"tokens": 2900, "ms": 300.0}],
+            "decode": [{"batch": 1, "context_tokens": 2900, "ms": 45.0}, {"batch": 32, "context_tokens": 96000, "ms": 70.0}],
+        },
+    }
+
+
+def test_an_engine_section_reproduces_its_measurements_and_keeps_the_models_shape() -> None:
+    """At a measured point the corrected profile gives the measured time (the median of repeats);
+    what was not measured (SM share, TP, context) keeps the analytic model's dependence."""
+    plain = parse_profile_file({"profile": "llava-v1.6-34b@h200"})
+    p = parse_profile_file(_engine_doc())
+    assert p.encode_s(5) == pytest.approx(0.042) and p.encode_s(40) == pytest.approx(0.230)
+    assert p.prefill_s(2900) == pytest.approx(0.300)
+    assert p.decode_step_s(1, 2900) == pytest.approx(0.045) and p.decode_step_s(32, 96000) == pytest.approx(0.070)
+    # the share penalty of a local prefill and the growth with context are the model's
+    assert p.prefill_s(2900, sm_share=0.5) / p.prefill_s(2900) == pytest.approx(
+        plain.prefill_s(2900, sm_share=0.5) / plain.prefill_s(2900))
+    assert p.decode_step_s(1, 5800) / p.decode_step_s(1, 2900) == pytest.approx(
+        plain.decode_step_s(1, 5800) / plain.decode_step_s(1, 2900))
+    # between measured batches the ratio is interpolated, beyond them it stays the end's
+    r5, r40 = (p.encode_s(b) / plain.encode_s(b) for b in (5, 40))
+    assert min(r5, r40) <= p.encode_s(12) / plain.encode_s(12) <= max(r5, r40)
+    assert p.encode_s(64) / plain.encode_s(64) == pytest.approx(r40)
+    assert p.corrections is not None and p.corrections.summary()["source"] == "torch on cuda:0 (test)"
+    assert plain.corrections is None
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (lambda d: d["engine"]["decode"][0].pop("context_tokens"), "engine.decode.0.context_tokens: Field required"),
+        (lambda d: d["engine"]["encode"][1].update(ms=0), "engine.encode.1.ms: Input should be greater than 0"),
+        (lambda d: d["engine"].update(speed=1), "engine.speed: unknown field"),
+    ],
+)
+def test_a_bad_engine_section_is_refused_naming_the_field(tmp_path: Path, mutate: Any, expected: str) -> None:
+    doc = _engine_doc()
+    mutate(doc)
+    f = tmp_path / "p.json"
+    f.write_text(json.dumps(doc))
+    with pytest.raises(ProfileFileError, match=re.escape(expected)):
+        load_profile_file(f)
+
+
+def test_the_twin_runs_on_an_engine_profile(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A spec pointed at an engine-measured profile runs in the twin with the measured costs: a
+    slower measured decode gives a longer TPOT than the shipped profile does."""
+    slow = _engine_doc()
+    slow["engine"]["decode"] = [{"batch": 1, "context_tokens": 2900, "ms": 200.0}, {"batch": 64, "context_tokens": 190000, "ms": 260.0}]
+    f = tmp_path / "measured.json"
+    f.write_text(json.dumps(slow))
+    out = {}
+    for name, engine in (("shipped", {"profile": "llava-v1.6-34b@h200"}), ("measured", {"profileFile": str(f)})):
+        m = tmp_path / f"{name}.yaml"
+        doc = {"apiVersion": "easerve.io/v1alpha1", "kind": "EPDDeployment", "metadata": {"name": "x"}, "spec": _spec(**engine)}
+        m.write_text(yaml.safe_dump(doc))
+        assert main(["sim", "-f", str(m), "--requests", "60", "--rate", "1", "--json"]) == 0
+        out[name] = json.loads(capsys.readouterr().out)
+    assert out["measured"]["profile"] == out["shipped"]["profile"] == "llava-v1.6-34b@h200"
+    assert out["measured"]["completed"] == out["shipped"]["completed"] == 60
+    assert out["measured"]["tpot_mean"] > 2 * out["shipped"]["tpot_mean"], {k: v["tpot_mean"] for k, v in out.items()}

@@ -13,6 +13,9 @@ How each cost is modelled (details and every number's source: docs/profiles.md):
   KV bytes/TP over HBM (both with efficiencies fitted on the H200) + a batch-dependent extra
   (fitted on the 34B/H200 sweep and scaled by FLOPs) + all-reduces.
 - **Transfers**: a fixed setup per transfer + bytes over the link's achievable bandwidth.
+- **Measured on an engine** (a profile file's ``engine`` section): encode, prefill and decode
+  times above are multiplied by measured / model at the nearest measured points
+  (``profiles.measured``), so the profile reproduces what the engine did where it was measured.
 
 All methods are plain float arithmetic (no pydantic, no numpy) so the twin can call them
 millions of times; ``encode_s`` is memoised since its arguments take few distinct values.
@@ -26,6 +29,7 @@ from typing import Any
 
 from easerve_runtime.profiles.calibration import REF_GPU, Calibration, EncoderCalib
 from easerve_runtime.profiles.hardware import BYTES_BF16, GPU, Backbone, TransferPath, gpu
+from easerve_runtime.profiles.measured import StageCorrections
 
 TP_CHOICES = (1, 2, 4, 8)
 USABLE_MEMORY_FRACTION = 0.90
@@ -52,6 +56,8 @@ class Profile:
     anyres: bool
     calib: Calibration = field(repr=False)
     _enc: EncoderCalib = field(repr=False)
+    corrections: StageCorrections | None = field(default=None, repr=False)
+    """measured / model ratios of an engine profile (``profiles.measured``); None: the model as is."""
     _cache: dict[tuple[int, float], float] = field(init=False, repr=False, compare=False)
     _k: dict[str, float] = field(init=False, repr=False, compare=False)
 
@@ -153,6 +159,9 @@ class Profile:
         e = self._enc
         work = e.compute(batch) * self._flops_scale * self.calib.sm_ratio(batch, sm_share)
         t = max(e.floor_s, work + e.overhead_s)
+        c = self.corrections
+        if c is not None and c.encode is not None:
+            t *= c.encode(batch)
         if len(self._cache) < 100_000:
             self._cache[key] = t
         return t
@@ -184,6 +193,9 @@ class Profile:
         t = compute if compute > floor else floor
         if sm_share < 1.0:
             t /= sm_share * self.calib.kappa
+        c = self.corrections
+        if c is not None and c.prefill is not None:
+            t *= c.prefill(tokens)
         if tp > 1:
             t += k["allreduces"] * self.hw.link.allreduce_s(tokens * k["act_bytes_per_token"], tp)
         return t
@@ -199,6 +211,9 @@ class Profile:
         ctx = context_tokens if context_tokens > 0.0 else 0.0
         t = k["layer_floor_s"] + k["weights_s"] / tp + self._kv_total(batch, ctx) * k["kv_s_per_byte"] / tp
         t += self.calib.decode_extra(batch) * k["extra_scale"] / tp
+        c = self.corrections
+        if c is not None and c.decode is not None:
+            t *= c.decode(batch)
         if tp > 1:
             t += k["allreduces"] * self.hw.link.allreduce_s(batch * k["act_bytes_per_token"], tp)
         return t

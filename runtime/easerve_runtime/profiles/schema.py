@@ -11,7 +11,8 @@ and named after it::
       "models": {"backbones": {...}, "encoders": {...}, "models": {...}},   # models.json
       "gpus": {"my-gpu": {...}},                     # gpus.json entries
       "links": {"my-link": {...}},                   # links.json entries
-      "h200_anchors": {"encoders": {"my-enc": {"graph_ms": {"1": 8.0, "8": 54.1}}}}
+      "h200_anchors": {"encoders": {"my-enc": {"graph_ms": {"1": 8.0, "8": 54.1}}}},
+      "engine": {"engine": "torch", "device": "...", "encode": [...], "prefill": [...], "decode": [...]}
     }
 
 Every section is optional: ``{"profile": "llava-v1.6-34b@h200"}`` is the shipped profile. A new
@@ -161,6 +162,43 @@ class AnchorsOverlayDoc(_Doc):
         return _drop_comments(d)
 
 
+class EncodePointDoc(_Doc):
+    """One encoder micro-batch measured on an engine: ``items`` encoder items (crops, frame pairs,
+    audio windows) in ``ms`` milliseconds, preprocessing included, on the whole GPU."""
+
+    items: int = Field(gt=0)
+    ms: float = Field(gt=0)
+
+
+class PrefillPointDoc(_Doc):
+    """One prefill measured on an engine: a ``tokens``-token prompt to its first token, in ``ms``."""
+
+    tokens: int = Field(gt=0)
+    ms: float = Field(gt=0)
+
+
+class DecodePointDoc(_Doc):
+    """One decode step measured on an engine: ``batch`` sequences holding ``context_tokens`` KV
+    tokens in all (a total over the batch, as the twin counts it), in ``ms``."""
+
+    batch: int = Field(gt=0)
+    context_tokens: int = Field(ge=0)
+    ms: float = Field(gt=0)
+
+
+class EngineDoc(_Doc):
+    """Stage times measured on a serving engine (``easerve profile --engine torch``, docs/profiles.md,
+    "Profiles measured on an engine"). The analytic model is kept for what was not measured (SM
+    shares, TP degrees, other batch sizes and contexts): each stage's time is the model's times
+    the ratio measured/model at the nearest measured points."""
+
+    engine: str = Field(min_length=1, description="The engine measured (torch).")
+    device: str = Field(min_length=1, description="The device it ran on, as torch names it.")
+    encode: list[EncodePointDoc] = Field(default_factory=list)
+    prefill: list[PrefillPointDoc] = Field(default_factory=list)
+    decode: list[DecodePointDoc] = Field(default_factory=list)
+
+
 class ProfileFileDoc(_Doc):
     """A user's profile file (docs/profiles.md, "Your own profile")."""
 
@@ -169,6 +207,8 @@ class ProfileFileDoc(_Doc):
     gpus: dict[str, GPUDoc] = Field(default_factory=dict)
     links: dict[str, LinkDoc] = Field(default_factory=dict)
     h200_anchors: AnchorsOverlayDoc = Field(default_factory=AnchorsOverlayDoc)
+    engine: EngineDoc | None = Field(
+        default=None, description="Stage times measured on an engine, laid over the analytic model.")
 
     @model_validator(mode="before")
     @classmethod

@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from easerve_runtime.api import PROFILE_DIR, PROFILE_DIR_ENV, PROFILE_KEY, SpecError
 from easerve_runtime.profiles.calibration import calibration, encoder_calib
 from easerve_runtime.profiles.hardware import backbone, gpu, load_json
+from easerve_runtime.profiles.measured import corrections
 from easerve_runtime.profiles.profile import Profile
 from easerve_runtime.profiles.schema import ModelsDoc, ProfileFileDoc, validation_lines
 
@@ -155,7 +156,10 @@ def parse_profile_file(data: Any, where: str = "profile file") -> Profile:
     gpus = _section(load_json("gpus.json"), {k: v.model_dump() for k, v in doc.gpus.items()})
     links = _section(load_json("links.json"), {k: v.model_dump() for k, v in doc.links.items()})
     tables = {k: v.model_dump(exclude_none=True) for k, v in doc.h200_anchors.encoders.items()}
-    return build_profile(doc.profile, models, gpus, links, tables, where)
+    prof = build_profile(doc.profile, models, gpus, links, tables, where)
+    if doc.engine is not None:
+        prof = replace(prof, corrections=corrections(prof, doc.engine.model_dump()))
+    return prof
 
 
 _FILES: dict[tuple[str, int, int], Profile] = {}

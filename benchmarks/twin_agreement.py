@@ -1,0 +1,208 @@
+"""The twin, fed a profile measured on the engine, against the GPU runs it should predict (issue 17).
+
+Two halves:
+
+- ``--measure --out DIR`` (on the GPU machine): ``easerve profile --engine torch`` of the
+  LLaVA-NeXT 7B that ``gpu_serve.py`` serves (the same model directory recipe and the same spec),
+  once as served by EAServe (nvJPEG + processor on the GPU) and once, encode only, with the
+  Dynamo-style CPU preprocessing (``EASERVE_GPU_DECODE=0``). Writes ``engine_profile.json`` and
+  ``engine_profile_cpu_preprocess.json`` into DIR.
+- default (anywhere, no GPU): for every point of the committed GPU runs
+  (``benchmarks/results/gpu_serve_h200_*.json``), the twin runs that point's spec (its system's
+  allocation, B, s and SM mode) on the same requests (``workload.generate`` with the bench's rate,
+  count and seed) with ``spec.engine.profileFile`` = the measured profile, and the report sets its
+  throughput and P99 TTFT beside the measured ones, as predicted / measured.
+
+The bar (issue 17, item 4): throughput within 5 %, P99 TTFT within 15 %, at every rate up to 90 % of
+saturation. Saturation is taken as the highest throughput the run measured for that system.
+
+    # GPU machine (torch + transformers; pydantic from .devsite, see benchmarks/make_devsite.sh)
+    bash benchmarks/devsite.sh && PYTHONPATH=.devsite/site:runtime:operator \\
+        python3 benchmarks/twin_agreement.py --measure --out $OUT
+    # anywhere
+    python benchmarks/twin_agreement.py            # JSON on stdout, docs/img/twin_agreement.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+PROFILE = RESULTS / "engine_profile_h200_llava7b.json"
+PROFILE_CPU_PRE = RESULTS / "engine_profile_h200_llava7b_cpu_preprocess.json"
+BENCH_SEED = 1  # gpu_serve.bench_point's seed for every recorded point
+BAR = {"throughput": 0.05, "ttft_p99": 0.15, "up_to_saturation": 0.9}
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+
+def log(msg: str) -> None:
+    print(f"[twin_agreement {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------ the GPU half
+def measure(out: Path, size: str, requests: int) -> int:
+    import gpu_serve
+
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="twin-agreement-"))
+    model = gpu_serve.model_dir(work, size)
+    env = {**os.environ, "EASERVE_TORCH_MAX_LEN": "4096"}
+    if size == "tiny":
+        env.update(EASERVE_DEVICE="cpu")
+    small = size == "tiny"
+    runs = (
+        ("easerve", "engine_profile.json", "encode,prefill,decode"),
+        ("dynamo-style", "engine_profile_cpu_preprocess.json", "encode"),
+    )
+    for system, name, stages in runs:
+        doc = gpu_serve.spec_doc(system, model, 4.0, 0.45)
+        spec = work / f"{system}.json"
+        spec.write_text(json.dumps(doc))
+        cmd = [sys.executable, "-m", "easerve_operator.cli", "profile", "--engine", "torch", "-f", str(spec),
+               "-o", str(out / name), "--stages", stages, "--requests", "4" if small else str(requests),
+               "--encode-batches", "1,4" if small else "1,2,4,8,16",
+               "--decode-batches", "1,4" if small else "1,4,16,32,64", "--reps", "2" if small else "3"]
+        log(f"{system}: {' '.join(cmd[3:])}")
+        r = subprocess.run(cmd, env={**env, **gpu_serve.SYSTEMS[system]["env"]}, capture_output=True, text=True)
+        (out / f"{name}.log").write_text(r.stderr[-20000:])
+        if r.returncode != 0:
+            log(f"{system}: easerve profile failed ({r.returncode}): {r.stderr[-3000:]}")
+            return r.returncode
+        print(r.stdout.strip().splitlines()[-1], flush=True)
+    return 0
+
+
+# ------------------------------------------------------------------ the twin half
+def merged_profile(tmp: Path, profile: Path, encode_from: Path | None) -> Path:
+    """The measured profile, its encode points replaced by ``encode_from``'s (the CPU-preprocess run)."""
+    doc = json.loads(profile.read_text())
+    if encode_from is not None:
+        doc["engine"]["encode"] = json.loads(encode_from.read_text())["engine"]["encode"]
+    f = tmp / f"profile-{'cpu' if encode_from else 'gpu'}.json"
+    f.write_text(json.dumps(doc))
+    return f
+
+
+def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    prof = json.loads(profile.read_text())
+    out: dict[str, Any] = {}
+    for system, s in run["systems"].items():
+        spec_d = json.loads(json.dumps(s["spec"]))
+        on_cpu = system == "dynamo-style"  # gpu_serve's SYSTEMS: EASERVE_GPU_DECODE=0
+        pfile = merged_profile(tmp, profile, cpu_pre if on_cpu and cpu_pre.exists() else None)
+        # the model the profile names (its exact backbone), served by the sim engine
+        spec_d["model"] = {**spec_d["model"], "name": prof["profile"].split("@")[0]}
+        spec_d["model"].pop("path", None)
+        spec_d["model"].pop("randomWeights", None)
+        spec_d["engine"] = {"backend": "sim", "profileFile": str(pfile)}
+        spec = parse_spec(spec_d)
+        pts = sorted(s.get("points", []), key=lambda p: p["rate"])
+        sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
+        rows = []
+        for p in pts:
+            reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
+            res = simulate(spec, reqs, "easerve").summary
+            m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
+            t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
+            row = {
+                "rate": p["rate"],
+                "measured": {"throughput": m_tp, "ttft_p99": m_ttft, "failed": p.get("failed"),
+                             "goodput_moderate": (p.get("goodput") or {}).get("moderate")},
+                "twin": {"throughput": t_tp, "ttft_p99": t_ttft, "failed": res.get("failed"),
+                         "goodput_moderate": (res.get("goodput") or {}).get("moderate")},
+                "in_scope": bool(sat) and p["rate"] <= BAR["up_to_saturation"] * sat,
+            }
+            if m_tp and t_tp is not None:
+                row["throughput_ratio"] = round(t_tp / m_tp, 3)
+            if m_ttft and t_ttft is not None:
+                row["ttft_p99_ratio"] = round(t_ttft / m_ttft, 3)
+            row["meets_bar"] = (row["in_scope"] and abs(row.get("throughput_ratio", 9) - 1) <= BAR["throughput"]
+                                and abs(row.get("ttft_p99_ratio", 9) - 1) <= BAR["ttft_p99"])
+            rows.append(row)
+        out[system] = {"profile": pfile.name, "saturation_req_s": sat, "points": rows}
+    return out
+
+
+def report(profile: Path, cpu_pre: Path) -> dict[str, Any]:
+    if not profile.exists():
+        raise SystemExit(f"{profile} is missing: run --measure on the GPU machine first")
+    prof = json.loads(profile.read_text())
+    from easerve_runtime.profiles import load_profile_file
+
+    p = load_profile_file(profile)
+    assert p.corrections is not None
+    runs = []
+    with tempfile.TemporaryDirectory() as t:
+        for f in sorted(glob.glob(str(RESULTS / "gpu_serve_h200_*.json"))):
+            run = json.loads(Path(f).read_text())
+            if run.get("measured") != "gpu" or run.get("mps"):
+                continue
+            runs.append({"file": str(Path(f).relative_to(REPO)), "host_gpus": run.get("host_gpus"),
+                         "requests_per_point": run.get("requests_per_point"), "systems": predict(run, Path(t), profile, cpu_pre)})
+    return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
+            "profile_source": prof["engine"]["device"], "ratios_measured_over_model": p.corrections.summary(),
+            "bar": BAR, "runs": runs}
+
+
+def plot(rep: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    run = max(rep["runs"], key=lambda r: (r["requests_per_point"] or 0, r["file"]))
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for system, s in run["systems"].items():
+        rates = [p["rate"] for p in s["points"]]
+        for ax, key in zip(axes, ("throughput", "ttft_p99"), strict=True):
+            line = ax.plot(rates, [p["measured"][key] for p in s["points"]], marker="o", label=f"{system} (GPU)")
+            ax.plot(rates, [p["twin"][key] for p in s["points"]], marker="x", ls="--", color=line[0].get_color(),
+                    label=f"{system} (twin)")
+    axes[0].set(xlabel="offered rate (req/s)", ylabel="throughput (req/s)", title=f"{run['file'].split('/')[-1]}")
+    axes[1].set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", yscale="log",
+                title="twin fed the engine's profile vs the H200")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--measure", action="store_true", help="on the GPU machine: measure the engine profiles")
+    p.add_argument("--out", default=None, help="--measure: output directory ($OUT)")
+    p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="--measure: tiny is a CPU smoke")
+    p.add_argument("--requests", type=int, default=16, help="--measure: prompts to prefill")
+    p.add_argument("--profile", default=str(PROFILE), help="the engine profile (easerve's preprocessing)")
+    p.add_argument("--profile-cpu-preprocess", default=str(PROFILE_CPU_PRE), help="encode points, CPU preprocessing")
+    p.add_argument("--plot", default=str(REPO / "docs" / "img" / "twin_agreement.png"))
+    args = p.parse_args()
+    if args.measure:
+        if not args.out:
+            p.error("--measure needs --out")
+        return measure(Path(args.out), args.size, args.requests)
+    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess))
+    print(json.dumps(rep, indent=1))
+    plot(rep, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

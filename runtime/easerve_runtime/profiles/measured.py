@@ -1,0 +1,73 @@
+"""Stage times measured on an engine, laid over the analytic profile as ratio curves.
+
+``easerve profile --engine torch`` measures one engine on one whole GPU at a few batch sizes,
+prompt lengths and decode batches, and writes those points into a profile file (``engine``).
+The twin asks for more than was measured: SM shares (the local prefill), TP degrees, batches
+and contexts in between. So the measured points do not replace the analytic model; they correct
+it: at each measured point the ratio measured / model is taken, the ratios form a curve over
+log2 of the batch (or prompt length), flat beyond the ends, and each stage's time is the
+model's times that curve. At a measured point the twin then reproduces the measurement exactly;
+between points it follows the model's shape; the share, TP and context dependence stay the
+model's (docs/profiles.md, "Profiles measured on an engine").
+
+Pure arithmetic on the profile it is given: no I/O, no torch.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from easerve_runtime.profiles.curves import Curve
+
+if TYPE_CHECKING:
+    from easerve_runtime.profiles.profile import Profile
+
+
+@dataclass(frozen=True)
+class StageCorrections:
+    """measured / model per stage, as curves over log2(x); None: that stage was not measured."""
+
+    encode: Curve | None = None  # x: encoder items per micro-batch
+    prefill: Curve | None = None  # x: prompt tokens
+    decode: Curve | None = None  # x: sequences per step
+    source: str = ""  # "<engine> on <device>", for reports
+
+    def summary(self) -> dict[str, Any]:
+        """The ratios at the measured points (what a report prints)."""
+        out: dict[str, Any] = {"source": self.source}
+        for name in ("encode", "prefill", "decode"):
+            c = getattr(self, name)
+            if c is not None:
+                out[name] = {str(round(2 ** x)): round(y, 4) for x, y in zip(c.xs, c.ys, strict=True)}
+        return out
+
+
+def ratio_curve(points: Iterable[tuple[float, float]]) -> Curve | None:
+    """One curve through (x, ratio) points; repeated x take the median of their ratios."""
+    by_x: dict[float, list[float]] = {}
+    for x, r in points:
+        by_x.setdefault(float(x), []).append(float(r))
+    if not by_x:
+        return None
+    return Curve(((x, statistics.median(rs)) for x, rs in by_x.items()), log_x=True)
+
+
+def _points(doc: Mapping[str, Any], key: str) -> Sequence[Mapping[str, Any]]:
+    return list(doc.get(key) or ())
+
+
+def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
+    """The corrections of a profile file's ``engine`` section (validated by ``schema.EngineDoc``),
+    against ``profile``'s analytic times (a profile without corrections)."""
+    if profile.corrections is not None:
+        raise ValueError("corrections are taken against the analytic profile, not a corrected one")
+    enc = ratio_curve((p["items"], p["ms"] / 1e3 / profile.encode_s(int(p["items"]))) for p in _points(doc, "encode"))
+    pre = ratio_curve((p["tokens"], p["ms"] / 1e3 / profile.prefill_s(int(p["tokens"]))) for p in _points(doc, "prefill"))
+    dec = ratio_curve(
+        (p["batch"], p["ms"] / 1e3 / profile.decode_step_s(int(p["batch"]), float(p["context_tokens"])))
+        for p in _points(doc, "decode")
+    )
+    return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}")
