@@ -46,7 +46,8 @@ def test_profile_measures_the_engine_and_the_twin_reads_it(
     model = model_dirs["llava-next"]
     out = tmp_path / "measured.json"
     rc = main(["profile", "--engine", "torch", "-f", str(_manifest(tmp_path, model)), "-o", str(out),
-               "--encode-batches", "1,4", "--decode-batches", "1,3", "--requests", "4", "--reps", "2"])
+               "--encode-batches", "1,4", "--decode-batches", "1,3", "--requests", "4", "--reps", "2",
+               "--image-format", "jpeg"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["profile"] == "tiny-llava-next@h200" and report["path"] == str(out)
@@ -56,8 +57,8 @@ def test_profile_measures_the_engine_and_the_twin_reads_it(
     bb = doc["models"]["backbones"]["tiny-llava-next-backbone"]
     assert (bb["layers"], bb["hidden"], bb["vocab"]) == (cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"])
     eng = doc["engine"]
-    assert eng["engine"] == "torch" and eng["device"] == "cpu"
-    assert len(eng["encode"]) == 4 and len(eng["prefill"]) == 4 and [p["batch"] for p in eng["decode"]] == [1, 3]
+    assert eng["engine"] == "torch" and eng["device"] == "cpu" and "jpeg images" in doc["_doc"]
+    assert len(eng["encode"]) == 2 and len(eng["prefill"]) == 4 and [p["batch"] for p in eng["decode"]] == [1, 3]
 
     prof = load_profile_file(out)
     assert prof.name == "tiny-llava-next@h200" and prof.backbone.layers == cfg["num_hidden_layers"]

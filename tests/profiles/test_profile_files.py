@@ -456,3 +456,15 @@ def test_the_twin_runs_on_an_engine_profile(tmp_path: Path, capsys: pytest.Captu
     assert out["measured"]["profile"] == out["shipped"]["profile"] == "llava-v1.6-34b@h200"
     assert out["measured"]["completed"] == out["shipped"]["completed"] == 60
     assert out["measured"]["tpot_mean"] > 2 * out["shipped"]["tpot_mean"], {k: v["tpot_mean"] for k, v in out.items()}
+
+
+def test_the_committed_h200_engine_profile_reads_back() -> None:
+    """The profile measured on the H200 (benchmarks/twin_agreement.py --measure) stays a valid
+    profile file: docs/benchmarks.md and the agreement report read it."""
+    f = REPO / "benchmarks" / "results" / "engine_profile_h200_llava7b.json"
+    doc = json.loads(f.read_text())
+    p = load_profile_file(f)
+    assert p.name == doc["profile"] and p.corrections is not None
+    assert p.backbone.layers == doc["models"]["backbones"][f"{p.model}-backbone"]["layers"]
+    for pt in doc["engine"]["decode"]:
+        assert p.decode_step_s(pt["batch"], pt["context_tokens"]) * 1e3 == pytest.approx(pt["ms"])

@@ -4,12 +4,13 @@ What ``easerve profile --engine torch -f SPEC -o PROFILE`` runs, on the machine'
 when torch sees one; ``EASERVE_DEVICE`` overrides). The chain is the serving path's, in one
 process, so every stage gets real inputs:
 
-1. **encode**: the deployment's workload (``workload.generate``, seeded), parsed by the frontend's
-   own chat parser, encoded in micro-batches of B requests for each B asked (each timed ``reps``
-   times after a warm-up). A point is (encoder items of the batch, ms): items as the twin counts
+1. **encode**: the deployment's workload (``workload.generate``, seeded; images sent as PNG or
+   JPEG, as ``easerve bench --image-format`` sends them), parsed by the frontend's own chat parser, encoded in micro-batches of B requests for each B asked (the same batch
+   timed ``reps`` times after a warm-up at its shapes; the median is the point). A point is (encoder items of the batch, ms): items as the twin counts
    them (``Request.encoder_items``), so the ratio is taken on the twin's own axis.
 2. **prefill**: each request's real embedding rows and token ids through the prefill engine, one
-   prompt at a time (as the engine prefills), timed to the first token. The KV cache's
+   prompt at a time (as the engine prefills), timed to the first token after one untimed run
+   at that length. The KV cache's
    device-to-host copy is not in it (it runs after the first token, on the handoff path), and is
    reported apart as ``kv_pack_ms``.
 3. **decode**: B copies of a real prefilled cache admitted into decode slots, then steps timed
@@ -106,6 +107,7 @@ async def measure(
     reps: int = 3,
     seed: int = 0,
     stages: Sequence[str] = STAGES,
+    image_format: str = "png",
     progress: Progress = _quiet,
 ) -> dict[str, Any]:
     """The ``engine`` section's points, plus what the report prints (see the module docstring).
@@ -121,10 +123,10 @@ async def measure(
 
     device = pick_device()
     reqs = generate(spec, 1.0, max(requests, max(encode_batches)), seed)
-    inputs = encode_inputs(spec, reqs)
+    inputs = encode_inputs(spec, reqs, image_format)
     items = {r.id: r.encoder_items for r in reqs}
     out: dict[str, Any] = {"engine": "torch", "device": _device_name(device), "encode": [], "prefill": [],
-                           "decode": []}
+                           "decode": [], "image_format": image_format}
     t_start = time.perf_counter()
 
     # ---------------------------------------------------------------- encode
@@ -132,11 +134,11 @@ async def measure(
     await enc.encode(inputs[:1])  # warm-up: kernels, processor
     n = len(inputs)
     for b in encode_batches if "encode" in stages else ():
-        for rep in range(reps):
-            batch = [inputs[(rep * b + i) % n] for i in range(b)]
-            ms, _ = await _timed(device, enc.encode, batch)
-            out["encode"].append({"items": sum(items[x.request_id] for x in batch), "ms": round(ms, 3)})
-        progress(f"encode B={b}: {statistics.median(p['ms'] for p in out['encode'][-reps:]):.1f} ms")
+        batch = [inputs[i % n] for i in range(b)]  # the same batch each time: one point, its median
+        await enc.encode(batch)  # warm-up at this batch's shapes
+        times = [(await _timed(device, enc.encode, batch))[0] for _ in range(reps)]
+        out["encode"].append({"items": sum(items[x.request_id] for x in batch), "ms": round(statistics.median(times), 3)})
+        progress(f"encode B={b}: {out['encode'][-1]['ms']:.1f} ms ({out['encode'][-1]['items']} items)")
     embs: list[Embedding] = []
     need = requests if "prefill" in stages else 1 if "decode" in stages else 0
     for i in range(0, need, max(encode_batches)):
@@ -158,6 +160,7 @@ async def measure(
     kept = None
     packs = []
     for p in pins:
+        await pre.prefill([p])  # warm-up at this prompt's length (first calls of a shape pay kernel setup)
         ms, outs = await _timed(device, pre.prefill, [p])
         if "prefill" in stages:
             out["prefill"].append({"tokens": len(p.extra["input_ids"]), "ms": round(ms, 3)})
@@ -235,7 +238,8 @@ def profile_document(spec: EPDDeploymentSpec, measured: dict[str, Any], gpu: str
     return {
         "_doc": (f"measured by easerve profile --engine torch on {measured['device']} "
                  f"({time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}); "
-                 f"kv_pack_ms_p50 {measured.get('kv_pack_ms_p50')}, decode slots {measured.get('decode_slots')}"),
+                 f"{measured.get('image_format')} images; kv_pack_ms_p50 {measured.get('kv_pack_ms_p50')}, "
+                 f"decode slots {measured.get('decode_slots')}"),
         "profile": f"{name}@{gpu}",
         "models": {
             "backbones": {bb: backbone_of(spec.model.path)},

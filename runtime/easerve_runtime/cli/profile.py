@@ -38,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=int, default=16, help="Prompts to prefill (and requests sampled).")
     parser.add_argument("--reps", type=int, default=3, help="Timed repetitions per encode point (x4 decode steps).")
     parser.add_argument("--seed", type=int, default=0, help="Workload seed.")
+    parser.add_argument("--image-format", choices=["png", "jpeg"], default="png",
+                        help="How the sample's images are sent (as easerve bench --image-format; JPEG takes nvJPEG).")
     parser.add_argument("--stages", default="encode,prefill,decode",
                         help="Stages to time (comma-separated; the rest of the file's stages stay the model's).")
 
@@ -70,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         report = measure(spec, Path(args.out), gpu=args.gpu, progress=progress,
                          encode_batches=args.encode_batches, decode_batches=args.decode_batches,
-                         requests=args.requests, reps=args.reps, seed=args.seed, stages=stages)
+                         requests=args.requests, reps=args.reps, seed=args.seed, stages=stages,
+                         image_format=args.image_format)
     except ProfileFileError as exc:
         print(f"easerve profile: {exc}", file=sys.stderr)
         return 2

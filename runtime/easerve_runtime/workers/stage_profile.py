@@ -67,15 +67,16 @@ def batches_up_to(n: int) -> list[int]:
     return out
 
 
-def encode_inputs(spec: EPDDeploymentSpec, reqs: Sequence[Request]) -> list[EncodeInput]:
-    """The sample as the frontend hands it to the encoder (its parser, its limits)."""
+def encode_inputs(spec: EPDDeploymentSpec, reqs: Sequence[Request], image_format: str = "png") -> list[EncodeInput]:
+    """The sample as the frontend hands it to the encoder (its parser, its limits); images in
+    ``image_format`` (``easerve bench --image-format``: png or jpeg)."""
     from easerve_runtime.bench.payloads import chat_body
     from easerve_runtime.workers.openai import parse_chat_request
 
     name = spec.served_model_name
     out = []
     for r in reqs:
-        chat = parse_chat_request(chat_body(r, name, stream=False), (name,), str(spec.model.modality), spec.limits)
+        chat = parse_chat_request(chat_body(r, name, stream=False, image_format=image_format), (name,), str(spec.model.modality), spec.limits)
         out.append(EncodeInput(r.id, tuple(chat.parts), chat.seed, tuple(chat.messages)))
     return out
 
