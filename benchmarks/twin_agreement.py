@@ -8,6 +8,13 @@ Two halves:
   processor on the GPU) and once, encode only, with the
   Dynamo-style CPU preprocessing (``EASERVE_GPU_DECODE=0``). Writes ``engine_profile.json`` and
   ``engine_profile_cpu_preprocess.json`` into DIR.
+- ``--measure-path --out DIR`` (on the GPU machine): both systems served by ``gpu_serve.py`` at
+  next to no load (0.5 req/s, 40 requests): ``DIR/zero_load.json``. Then, anywhere,
+  ``--calibrate-path benchmarks/results/twin_path_zero_load_h200.json`` writes each profile's
+  ``request_path_ms``: the served TTFT p50 there minus the twin's on the same requests (engines
+  alone). This is the serving path outside the engines (HTTP, parsing, request-plane hops,
+  embedding bytes over the wire), which ``easerve profile`` cannot see from one process. It is
+  measured on runs of its own, not on the runs the report predicts.
 - default (anywhere, no GPU): for every point of the committed GPU runs
   (``benchmarks/results/gpu_serve_h200_*.json``), the twin runs that point's spec (its system's
   allocation, B, s and SM mode) on the same requests (``workload.generate`` with the bench's rate,
@@ -41,6 +48,9 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 PROFILE = RESULTS / "engine_profile_h200_llava7b.json"
 PROFILE_CPU_PRE = RESULTS / "engine_profile_h200_llava7b_cpu_preprocess.json"
+ZERO_LOAD = RESULTS / "twin_path_zero_load_h200.json"
+"""The zero-load runs the request path is measured from (not a run the report predicts)."""
+ZERO_LOAD_RATE, ZERO_LOAD_REQUESTS = 0.5, 40
 BENCH_SEED = 1  # gpu_serve.bench_point's seed for every recorded point
 BAR = {"throughput": 0.05, "ttft_p99": 0.15, "up_to_saturation": 0.9}
 
@@ -84,12 +94,69 @@ def measure(out: Path, size: str, requests: int) -> int:
     return 0
 
 
+def measure_path(out: Path, size: str) -> int:
+    """Both systems served at next to no load (``ZERO_LOAD_RATE``): what their first tokens take
+    beyond the engines is the request path (``--calibrate-path`` turns it into the profile's term)."""
+    work = Path(tempfile.mkdtemp(prefix="twin-path-"))
+    cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_serve.py"), "--out", str(work), "--systems",
+           "easerve,dynamo-style", "--rates", str(ZERO_LOAD_RATE), "--size", size,
+           "--requests", str(ZERO_LOAD_REQUESTS if size != "tiny" else 4)]
+    log(" ".join(cmd[1:]))
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    (out / "zero_load.log").write_text(r.stderr[-30000:])
+    f = work / "gpu_serve.json"
+    if f.exists():
+        (out / "zero_load.json").write_text(f.read_text())
+    return r.returncode
+
+
 # ------------------------------------------------------------------ the twin half
-def merged_profile(tmp: Path, profile: Path, encode_from: Path | None) -> Path:
-    """The measured profile, its encode points replaced by ``encode_from``'s (the CPU-preprocess run)."""
+def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
+    """``request_path_ms`` of each system's profile: the served TTFT p50 at zero load minus the twin's
+    (the same requests, the profile without a path term). Writes it into the profile files."""
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    run = json.loads(zero_load.read_text())
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as t:
+        for system, s in run["systems"].items():
+            target = cpu_pre if system == "dynamo-style" else profile
+            (p,) = s["points"]
+            spec = parse_spec(twin_spec(s["spec"], merged_profile(Path(t), profile, cpu_pre if target == cpu_pre else None,
+                                                                   path_ms=0.0)))
+            res = simulate(spec, generate(spec, p["rate"], int(p["requests"]), BENCH_SEED), "easerve").summary
+            gap_ms = 1e3 * (p["ttft"]["p50"] - res["ttft"]["p50"])
+            doc = json.loads(target.read_text())
+            doc["engine"]["request_path_ms"] = round(max(0.0, gap_ms), 1)
+            target.write_text(json.dumps(doc, indent=1) + "\n")
+            out[system] = {"rate": p["rate"], "requests": p["requests"], "measured_ttft_p50": p["ttft"]["p50"],
+                           "twin_ttft_p50_without_path": res["ttft"]["p50"], "request_path_ms": doc["engine"]["request_path_ms"],
+                           "profile": str(target.relative_to(REPO)) if target.is_relative_to(REPO) else str(target)}
+    return out
+
+
+def twin_spec(spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
+    """A run's spec, served by the sim engine on the measured profile (and its model's name)."""
+    d = json.loads(json.dumps(spec))
+    d["model"]["name"] = json.loads(pfile.read_text())["profile"].split("@")[0]
+    d["model"].pop("path", None)
+    d["model"].pop("randomWeights", None)
+    d["engine"] = {"backend": "sim", "profileFile": str(pfile)}
+    return d
+
+
+def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: float | None = None) -> Path:
+    """The measured profile, its encode points and request path replaced by ``encode_from``'s (the
+    CPU-preprocess run's); ``path_ms`` overrides the request path (0: the engines alone)."""
     doc = json.loads(profile.read_text())
     if encode_from is not None:
-        doc["engine"]["encode"] = json.loads(encode_from.read_text())["engine"]["encode"]
+        other = json.loads(encode_from.read_text())["engine"]
+        doc["engine"]["encode"] = other["encode"]
+        doc["engine"]["request_path_ms"] = other.get("request_path_ms")
+    if path_ms is not None:
+        doc["engine"]["request_path_ms"] = path_ms
     f = tmp / f"profile-{'cpu' if encode_from else 'gpu'}.json"
     f.write_text(json.dumps(doc))
     return f
@@ -100,18 +167,11 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
     from easerve_runtime.sim import simulate
     from easerve_runtime.workload import generate
 
-    prof = json.loads(profile.read_text())
     out: dict[str, Any] = {}
     for system, s in run["systems"].items():
-        spec_d = json.loads(json.dumps(s["spec"]))
         on_cpu = system == "dynamo-style"  # gpu_serve's SYSTEMS: EASERVE_GPU_DECODE=0
         pfile = merged_profile(tmp, profile, cpu_pre if on_cpu and cpu_pre.exists() else None)
-        # the model the profile names (its exact backbone), served by the sim engine
-        spec_d["model"] = {**spec_d["model"], "name": prof["profile"].split("@")[0]}
-        spec_d["model"].pop("path", None)
-        spec_d["model"].pop("randomWeights", None)
-        spec_d["engine"] = {"backend": "sim", "profileFile": str(pfile)}
-        spec = parse_spec(spec_d)
+        spec = parse_spec(twin_spec(s["spec"], pfile))
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
         rows = []
@@ -137,7 +197,9 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
             row["meets_bar"] = (row["in_scope"] and abs(row.get("throughput_ratio", 9) - 1) <= BAR["throughput"]
                                 and abs(row.get("ttft_p99_ratio", 9) - 1) <= BAR["ttft_p99"])
             rows.append(row)
-        out[system] = {"profile": pfile.name, "saturation_req_s": sat, "points": rows, "diagnosis": diagnose(rows)}
+        path_ms = json.loads(pfile.read_text())["engine"].get("request_path_ms")
+        out[system] = {"profile": pfile.name, "request_path_ms": path_ms, "saturation_req_s": sat, "points": rows,
+                       "diagnosis": diagnose(rows)}
     return out
 
 
@@ -207,6 +269,9 @@ def plot(rep: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="on the GPU machine: measure the engine profiles")
+    p.add_argument("--measure-path", action="store_true", help="on the GPU machine: serve both systems at zero load")
+    p.add_argument("--calibrate-path", default=None, metavar="ZERO_LOAD_JSON",
+                   help="write request_path_ms into the profiles from a --measure-path run")
     p.add_argument("--out", default=None, help="--measure: output directory ($OUT)")
     p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="--measure: tiny is a CPU smoke")
     p.add_argument("--requests", type=int, default=16, help="--measure: prompts to prefill")
@@ -214,10 +279,16 @@ def main() -> int:
     p.add_argument("--profile-cpu-preprocess", default=str(PROFILE_CPU_PRE), help="encode points, CPU preprocessing")
     p.add_argument("--plot", default=str(REPO / "docs" / "img" / "twin_agreement.png"))
     args = p.parse_args()
-    if args.measure:
+    if args.measure or args.measure_path:
         if not args.out:
-            p.error("--measure needs --out")
-        return measure(Path(args.out), args.size, args.requests)
+            p.error("--measure and --measure-path need --out")
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        rc = measure(Path(args.out), args.size, args.requests) if args.measure else 0
+        return rc or (measure_path(Path(args.out), args.size) if args.measure_path else 0)
+    if args.calibrate_path:
+        print(json.dumps(calibrate_path(Path(args.calibrate_path), Path(args.profile),
+                                        Path(args.profile_cpu_preprocess)), indent=1))
+        return 0
     rep = report(Path(args.profile), Path(args.profile_cpu_preprocess))
     print(json.dumps(rep, indent=1))
     plot(rep, Path(args.plot))

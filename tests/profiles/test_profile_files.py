@@ -468,3 +468,25 @@ def test_the_committed_h200_engine_profile_reads_back() -> None:
     assert p.backbone.layers == doc["models"]["backbones"][f"{p.model}-backbone"]["layers"]
     for pt in doc["engine"]["decode"]:
         assert p.decode_step_s(pt["batch"], pt["context_tokens"]) * 1e3 == pytest.approx(pt["ms"])
+
+
+@pytest.mark.parametrize("system", ["easerve", "dynamo", "aggregated"])
+def test_the_request_path_delays_every_first_token_by_its_length_in_the_twin(tmp_path: Path, system: str) -> None:
+    """``engine.request_path_ms`` is a delay on each request's way in, no worker busy for it: the
+    whole run shifts by it, so every request's TTFT grows by exactly that, at any load."""
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    ttft = {}
+    for path_ms in (0.0, 200.0):
+        doc = _engine_doc()
+        doc["engine"]["request_path_ms"] = path_ms
+        f = tmp_path / f"p{path_ms}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        reqs = generate(spec, 2.0, 80, 3)
+        res = simulate(spec, reqs, system, sweep=False)
+        ttft[path_ms] = {r.id: r.first_token_s - r.arrival_s for r in res.records if r.ok}
+    assert ttft[0.0].keys() == ttft[200.0].keys() and len(ttft[0.0]) == 80
+    for rid, t in ttft[0.0].items():
+        assert ttft[200.0][rid] == pytest.approx(t + 0.2, abs=1e-9), rid

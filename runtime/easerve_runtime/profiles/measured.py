@@ -34,10 +34,13 @@ class StageCorrections:
     prefill: Curve | None = None  # x: prompt tokens
     decode: Curve | None = None  # x: sequences per step
     source: str = ""  # "<engine> on <device>", for reports
+    request_path_s: float = 0.0  # the serving path's own latency per request (no GPU busy for it)
 
     def summary(self) -> dict[str, Any]:
         """The ratios at the measured points (what a report prints)."""
         out: dict[str, Any] = {"source": self.source}
+        if self.request_path_s:
+            out["request_path_ms"] = round(self.request_path_s * 1e3, 3)
         for name in ("encode", "prefill", "decode"):
             c = getattr(self, name)
             if c is not None:
@@ -70,4 +73,6 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
         (p["batch"], p["ms"] / 1e3 / profile.decode_step_s(int(p["batch"]), float(p["context_tokens"])))
         for p in _points(doc, "decode")
     )
-    return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}")
+    path_ms = doc.get("request_path_ms")
+    return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
+                            float(path_ms or 0.0) / 1e3)

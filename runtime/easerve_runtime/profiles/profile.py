@@ -79,6 +79,12 @@ class Profile:
         k["act_bytes_per_token"] = float(bb.hidden * BYTES_BF16)
         k["flops_per_s"] = hw.flops_per_s
 
+    @property
+    def request_path_s(self) -> float:
+        """The serving path's own latency per request, outside the engines (an engine profile's
+        ``request_path_ms``; 0 for a modelled profile, which knows nothing of the host)."""
+        return self.corrections.request_path_s if self.corrections is not None else 0.0
+
     # ------------------------------------------------------------------ sizes
     @property
     def weight_bytes(self) -> int:

@@ -197,6 +197,12 @@ class EngineDoc(_Doc):
     encode: list[EncodePointDoc] = Field(default_factory=list)
     prefill: list[PrefillPointDoc] = Field(default_factory=list)
     decode: list[DecodePointDoc] = Field(default_factory=list)
+    request_path_ms: float | None = Field(
+        default=None, ge=0,
+        description="Latency each request spends on the serving path outside the engines before its first "
+        "token (HTTP, chat parsing, request-plane hops, embedding bytes over the wire), measured at zero load: "
+        "the served TTFT p50 minus the engines' own. The twin adds it to every request's path; no GPU is "
+        "busy for it.")
 
 
 class ProfileFileDoc(_Doc):

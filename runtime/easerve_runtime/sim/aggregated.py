@@ -181,7 +181,7 @@ def run_aggregated(
         by_name[picker.pick(names, outstanding)].arrive(job)
 
     for job in jobs:
-        loop.at(job.req.arrival_s, arrive, job)
+        loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
     loop.run()
     horizon = max((j.rec.finish_s or 0.0) for j in jobs) - min((j.req.arrival_s for j in jobs), default=0.0)
     busy = sum(r.busy_s for r in reps)

@@ -86,6 +86,9 @@ class StageModel:
         self._prefill_tp = _tp_kw(profile.prefill_s)
         self._decode_tp = _tp_kw(profile.decode_step_s)
         self._prefill_seqs = "sequences" in _params(profile.prefill_s)
+        self.request_path_s = float(getattr(profile, "request_path_s", 0.0) or 0.0)
+        """Each request reaches the first stage this long after it arrives (the serving path outside
+        the engines, measured; 0 unless the profile says): a delay, no worker busy for it."""
         self.total_sms = int(
             getattr(profile, "sms", 0)
             or getattr(profile, "sm_count", 0)

@@ -129,7 +129,7 @@ def run_pipeline(
         by_name[picker.pick(names, outstanding)].on_arrival(job)
 
     for job in jobs:
-        loop.at(job.req.arrival_s, arrive, job)
+        loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
     changes: list[dict[str, Any]] = []
     if control is not None and jobs:
         if not control.interval_s > 0:
