@@ -2,7 +2,7 @@
 
 The file is in the schema the twin reads (``profiles.schema.ProfileFileDoc``): point a spec at it
 with ``spec.engine.profileFile`` and HAS, the twin and the sim engine use what this machine's
-engine measured (``bench.engine_profile``; docs/profiles.md, "Profiles measured on an engine").
+engine measured (``workers.engine_profile``; docs/profiles.md, "Profiles measured on an engine").
 Progress goes to stderr; the last line of stdout is one JSON report.
 """
 
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"easerve profile: {args.spec}: spec.engine.backend must be torch with spec.model.path set "
               f"(got backend {spec.engine.backend}, path {spec.model.path!r})", file=sys.stderr)
         return 2
-    from easerve_runtime.bench.engine_profile import run as measure
     from easerve_runtime.profiles import ProfileFileError
+    from easerve_runtime.workers.engine_profile import run as measure
 
     def progress(msg: str) -> None:
         print(f"[easerve profile] {msg}", file=sys.stderr, flush=True)

@@ -195,7 +195,7 @@ async def measure(
                 for i in range(b)]
         for s in seqs:
             await dec.admit(s)
-        times: list[float] = []
+        step_ms: list[float] = []
         warm = min(3, max_tokens - 1)
         for k in range(warm + steps):
             if len(seqs[0].generated) >= max_tokens:
@@ -204,12 +204,12 @@ async def measure(
             for s, t in zip(seqs, toks, strict=True):
                 s.generated.append(t)
             if k >= warm:
-                times.append(ms)
+                step_ms.append(ms)
         for s in seqs:
             dec.release(s.request_id)
-        if times:
-            mean_ctx = ctx + warm + len(times) / 2.0
-            out["decode"].append({"batch": b, "context_tokens": int(b * mean_ctx), "ms": round(statistics.median(times), 3)})
+        if step_ms:
+            mean_ctx = ctx + warm + len(step_ms) / 2.0
+            out["decode"].append({"batch": b, "context_tokens": int(b * mean_ctx), "ms": round(statistics.median(step_ms), 3)})
             progress(f"decode B={b}: {out['decode'][-1]['ms']:.2f} ms/step")
     del dec
     _free(device)
