@@ -22,7 +22,8 @@ Two halves:
   throughput and P99 TTFT beside the measured ones, as predicted / measured.
 
 The bar (issue 17, item 4): throughput within 5 %, P99 TTFT within 15 %, at every rate up to 90 % of
-saturation. Saturation is taken as the highest throughput the run measured for that system.
+saturation. Saturation is taken as the highest throughput the run measured for that system (a
+run of one rate leaves it unknown: ``in_scope`` is null there).
 
     # GPU machine (torch + transformers; pydantic from .devsite, see benchmarks/make_devsite.sh)
     bash benchmarks/devsite.sh && PYTHONPATH=.devsite/site:runtime:operator \\
@@ -188,13 +189,14 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
                 "twin": {"throughput": t_tp, "ttft_p99": t_ttft, "ttft_p50": (res.get("ttft") or {}).get("p50"),
                          "tpot_p50": (res.get("tpot") or {}).get("p50"), "failed": res.get("failed"),
                          "goodput_moderate": (res.get("goodput") or {}).get("moderate")},
-                "in_scope": bool(sat) and p["rate"] <= BAR["up_to_saturation"] * sat,
+                # a one-rate run does not show its saturation: whether it is in scope is unknown there
+                "in_scope": (bool(sat) and p["rate"] <= BAR["up_to_saturation"] * sat) if len(pts) > 1 else None,
             }
             if m_tp and t_tp is not None:
                 row["throughput_ratio"] = round(t_tp / m_tp, 3)
             if m_ttft and t_ttft is not None:
                 row["ttft_p99_ratio"] = round(t_ttft / m_ttft, 3)
-            row["meets_bar"] = (row["in_scope"] and abs(row.get("throughput_ratio", 9) - 1) <= BAR["throughput"]
+            row["meets_bar"] = (row["in_scope"] is not False and abs(row.get("throughput_ratio", 9) - 1) <= BAR["throughput"]
                                 and abs(row.get("ttft_p99_ratio", 9) - 1) <= BAR["ttft_p99"])
             rows.append(row)
         path_ms = json.loads(pfile.read_text())["engine"].get("request_path_ms")
@@ -232,9 +234,9 @@ def report(profile: Path, cpu_pre: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as t:
         for f in sorted(glob.glob(str(RESULTS / "gpu_serve_h200_*.json"))):
             run = json.loads(Path(f).read_text())
-            if run.get("measured") != "gpu" or run.get("mps"):
+            if run.get("measured") != "gpu":
                 continue
-            runs.append({"file": str(Path(f).relative_to(REPO)), "host_gpus": run.get("host_gpus"),
+            runs.append({"file": str(Path(f).relative_to(REPO)), "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
                          "requests_per_point": run.get("requests_per_point"), "systems": predict(run, Path(t), profile, cpu_pre)})
     return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
             "profile_source": prof["engine"]["device"], "ratios_measured_over_model": p.corrections.summary(),
@@ -247,7 +249,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    run = max(rep["runs"], key=lambda r: (r["requests_per_point"] or 0, r["file"]))
+    run = max((r for r in rep["runs"] if not r["mps"]), key=lambda r: (r["requests_per_point"] or 0, r["file"]))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for system, s in run["systems"].items():
         rates = [p["rate"] for p in s["points"]]
