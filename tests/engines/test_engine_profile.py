@@ -89,3 +89,16 @@ def test_profile_refuses_a_spec_without_a_torch_model(
     assert main(["profile", "--engine", "torch", "-f", str(sim), "-o", str(tmp_path / "p.json")]) == 2
     assert "spec.engine.backend must be torch" in capsys.readouterr().err
     assert not (tmp_path / "p.json").exists()
+
+
+def test_profile_names_the_field_of_an_invalid_spec(
+    model_dirs: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    f = _manifest(tmp_path, model_dirs["llava-next"])
+    doc = yaml.safe_load(f.read_text())
+    doc["spec"]["encode"]["batchBound"] = 0
+    f.write_text(yaml.safe_dump(doc))
+    assert main(["profile", "--engine", "torch", "-f", str(f), "-o", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert f"easerve profile: {f}: invalid spec: spec.encode.batchBound:" in err, err
+    assert not (tmp_path / "p.json").exists()

@@ -40,21 +40,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="Workload seed.")
     parser.add_argument("--image-format", choices=["png", "jpeg"], default="png",
                         help="How the sample's images are sent (as easerve bench --image-format; JPEG takes nvJPEG).")
-    parser.add_argument("--stages", default="encode,prefill,decode",
+    parser.add_argument("--stages", default="encode,prefill,decode",  # workers.engine_profile.STAGES
                         help="Stages to time (comma-separated; the rest of the file's stages stay the model's).")
 
 
 def run(args: argparse.Namespace) -> int:
-    from easerve_runtime.api import Backend, load_manifest
+    from easerve_runtime.api import Backend
+    from easerve_runtime.cli.manifest import load_spec
+    from easerve_runtime.workers.engine_profile import STAGES
 
-    try:
-        _, spec = load_manifest(args.spec)
-    except (OSError, ValueError) as exc:
-        print(f"easerve profile: {args.spec}: {exc}", file=sys.stderr)
+    spec = load_spec(args.spec, "easerve profile")
+    if spec is None:
         return 2
     stages = [x.strip() for x in args.stages.split(",") if x.strip()]
-    if not stages or set(stages) - {"encode", "prefill", "decode"}:
-        print(f"easerve profile: --stages: some of encode, prefill, decode, got {args.stages!r}", file=sys.stderr)
+    if not stages or set(stages) - set(STAGES):
+        print(f"easerve profile: --stages: some of {', '.join(STAGES)}, got {args.stages!r}", file=sys.stderr)
         return 2
     if args.requests < 1 or args.reps < 1:
         print("easerve profile: --requests and --reps must be >= 1", file=sys.stderr)

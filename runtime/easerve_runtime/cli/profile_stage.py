@@ -37,13 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from easerve_runtime.api import load_manifest
+    from easerve_runtime.cli.manifest import load_spec
     from easerve_runtime.workers.stage_profile import profile
 
-    try:
-        _, spec = load_manifest(args.spec)
-    except (OSError, ValueError) as exc:
-        print(f"easerve profile-stage: {args.spec}: {exc}", file=sys.stderr)
+    spec = load_spec(args.spec, "easerve profile-stage")
+    if spec is None:
         return 2
     if args.max_batch < 1 or args.requests < 1 or any(t < 1 for t in args.tp):
         print("easerve profile-stage: --max-batch, --requests and --tp must be >= 1", file=sys.stderr)

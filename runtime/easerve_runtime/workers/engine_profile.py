@@ -34,10 +34,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.engines.base import DecodeSequence, Embedding, PrefillInput, Sampling
+from easerve_runtime.workers.encode import embedding_array  # the rows as the envelope carries them
 
 Progress = Callable[[str], None]
 STAGES = ("encode", "prefill", "decode")
@@ -64,12 +63,6 @@ def backbone_of(model_path: str) -> dict[str, Any]:
         "tied_embeddings": bool(cfg.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
         "gated_mlp": True,
     }
-
-
-def _rows(emb: Embedding) -> Any:
-    """An embedding's rows as the prefill worker hands them to the engine (bf16 as uint16)."""
-    dtype = np.uint16 if emb.dtype == "bfloat16" else np.dtype(emb.dtype)
-    return np.frombuffer(emb.data, dtype=dtype).reshape(emb.shape)
 
 
 def _sync(device: str) -> None:
@@ -152,7 +145,7 @@ async def measure(
     # ---------------------------------------------------------------- prefill
     pre = make_torch_engine(spec, "prefill")
     pins = [
-        PrefillInput(e.request_id, int(e.extra["text_tokens"]), e.tokens, 0, embedding=_rows(e), extra=dict(e.extra),
+        PrefillInput(e.request_id, int(e.extra["text_tokens"]), e.tokens, 0, embedding=embedding_array(e), extra=dict(e.extra),
                      sampling=Sampling())
         for e in embs
     ]
