@@ -66,6 +66,26 @@ def test_band_exit_held_retunes_once_with_the_observed_rate():
     assert len(t.calls) == 1
 
 
+def test_a_rate_window_that_straddles_the_step_is_not_the_rate_tuned_for():
+    """Each sample is the mean rate over the shell's 10 s window: after a step from 1 to 0.5 req/s
+    the samples ramp down for 10 s. With the window known, the re-tune waits for samples whose
+    whole window lies in the new level and tunes for 0.5; without it, an 8 s hold tunes for the
+    blend of the ramp (what CI saw: 0.255 for a ~0.5 step)."""
+
+    def windowed(t: float) -> float:  # rate() over [t - 10, t] of a step 1 -> 0.5 at t = 10
+        after = min(10.0, max(0.0, t - 10.0))
+        return (1.0 * (10.0 - after) + 0.5 * after) / 10.0
+
+    got = {}
+    for w in (0.0, 10.0):
+        ap, _ = _pilot(hold_s=8, sample_window_s=w)
+        (d,) = feed(ap, 0, 60, windowed)
+        got[w] = d
+    assert got[10.0].observed_rate == pytest.approx(0.5)
+    assert got[0.0].observed_rate >= 0.55  # the blend of the ramp (samples 0.75 ... 0.55 ... 0.5)
+    assert got[10.0].at > got[0.0].at  # it waited for one window more
+
+
 def test_an_idle_deployment_keeps_its_knobs():
     """The load stops (rate 0 for longer than the hold): there is no rate to tune for, so no
     re-tune and no call to the re-tuner (the twin cannot even build a workload at 0 req/s)."""

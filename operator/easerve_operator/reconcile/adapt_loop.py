@@ -201,8 +201,9 @@ class AdaptLoop:
         if "offload_ratio" in pinned and applied is None:
             cur = Knobs(cur.batch_bound, spec.offload.ratio)
         ref = float(prev.get("referenceRate") or spec.tuning.target_rate or 1.0)
+        window_s = float(getattr(self.rates, "window_s", DEFAULT_WINDOW_S))
         params = dataclasses.replace(AdaptParams.from_spec(spec.tuning.adapt),
-                                     settle_s=float(getattr(self.rates, "window_s", DEFAULT_WINDOW_S)) * CALIBRATION_WINDOWS)
+                                     settle_s=window_s * CALIBRATION_WINDOWS, sample_window_s=window_s)
         holder: list[Autopilot] = []
         grids: dict[str, Retuner] = {}
 

@@ -17,7 +17,9 @@ The loop:
 2. **Hold (hysteresis).** A re-tune needs every sample of the last ``hold_s`` seconds out of band
    on the same side. A noisy rate that pokes out and back never triggers, and after a re-tune
    the reference becomes the observed rate, so it must move a whole band again: two thresholds,
-   not one.
+   not one. The rate re-tuned for is the median of the held samples whose whole averaging window
+   (``sample_window_s``, the shell's ``rate()`` window) lies inside the out-of-band run; until one
+   does, the decision waits (a sample that straddles the step reads a blend of old and new).
 3. **Minimum interval.** No two applied changes within ``min_interval_s``.
 4. **Re-tune.** ``retune(rate, pinned)`` answers the best (B, s) for that rate with its predicted
    goodput (on the twin: seconds, a small grid). Explicit spec values are ``pinned`` and kept.
@@ -87,6 +89,11 @@ class AdaptParams:
     settle_s: float = 0.0
     """After an allocation change's roll: seconds before the live figures count again (the rate
     windows and stage costs must cover the new pods only, not a mix of old and new)."""
+    sample_window_s: float = 0.0
+    """Each sample averages the rate over this many seconds before it (the shell's ``rate()``
+    window). The rate a re-tune is made for is taken only from samples whose whole window lies
+    inside the out-of-band run: a sample that straddles the step reads a blend of the old and the
+    new rate (on CI, 0.255 req/s for a ~0.5 step from idle, with an 8 s hold under a 10 s window)."""
 
     @classmethod
     def from_spec(cls, a: AdaptSpec) -> AdaptParams:
@@ -182,6 +189,15 @@ class Autopilot:
             return 0
         return sides.pop()
 
+    def _run_start(self, side: int) -> float:
+        """Time of the first sample of the current run of samples on ``side`` (the newest ones)."""
+        start = self._samples[-1][0]
+        for t, r, _ in reversed(self._samples):
+            if self.side(r) != side:
+                break
+            start = t
+        return start
+
     # -- the loop -------------------------------------------------------------------------------
     def observe(self, now: float, rate: float, good_fraction: float | None = None, *,
                 settled: bool = True) -> Decision | None:
@@ -204,7 +220,7 @@ class Autopilot:
         if now < self._quiet_until:
             return None
         self._samples.append((now, rate, good_fraction))
-        keep = max(self.params.hold_s, self.params.guard_window_s)
+        keep = max(self.params.hold_s + self.params.sample_window_s, self.params.guard_window_s)
         while self._samples and self._samples[0][0] < now - keep:
             self._samples.popleft()
 
@@ -216,7 +232,11 @@ class Autopilot:
             return None
         if self._last_change is not None and now - self._last_change < self.params.min_interval_s:
             return None
-        held = [r for t, r, _ in self._samples if t >= now - self.params.hold_s]
+        start = self._run_start(side)
+        held = [r for t, r, _ in self._samples
+                if t >= now - self.params.hold_s and t >= start + self.params.sample_window_s]
+        if not held:
+            return None  # every sample of the run still blends in the rate before it: wait
         target = statistics.median(held)
         if not target > 0:
             # idle (the load stopped, or has not started): there is no rate to tune for, and
