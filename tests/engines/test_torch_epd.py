@@ -86,26 +86,35 @@ def engines(llava: Path) -> dict[str, Any]:
     return {"encode": HFEncodeEngine(llava), "prefill": HFPrefillEngine(llava)}
 
 
-@pytest.fixture(scope="module")
-def reference(llava: Path) -> Callable[[int], list[int]]:
-    """transformers' own single-process greedy generate of the same directory, prompt and image."""
+def full_model(path: Path) -> tuple[Any, Any]:
+    """The directory's processor (the engine's loader) and its whole model class, as transformers loads them."""
     import transformers
+    from easerve_runtime.models.loading import load_processor
 
-    proc = transformers.AutoProcessor.from_pretrained(llava)
-    cfg = transformers.AutoConfig.from_pretrained(llava)
-    model = getattr(transformers, cfg.architectures[0]).from_pretrained(llava).eval()
+    cfg = transformers.AutoConfig.from_pretrained(path)
+    return load_processor(path), getattr(transformers, cfg.architectures[0]).from_pretrained(path).eval()
+
+
+def reference_for(path: Path) -> Callable[[int], list[int]]:
+    """transformers' own single-process greedy generate of the same directory, prompt and image."""
+    proc, model = full_model(path)
     cache: dict[int, list[int]] = {}
 
     def ref(i: int) -> list[int]:
         if i not in cache:
             _, img, msgs = request(i)
-            inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True)],
+            inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)],
                        return_tensors="pt")
             out = model.generate(**inp, max_new_tokens=MAX_TOKENS, do_sample=False)
             cache[i] = out[0, inp["input_ids"].shape[1]:].tolist()
         return cache[i]
 
     return ref
+
+
+@pytest.fixture(scope="module")
+def reference(llava: Path) -> Callable[[int], list[int]]:
+    return reference_for(llava)
 
 
 class EPD:
@@ -300,3 +309,82 @@ def test_chunked_encode_equals_one_pass(engines: dict[str, Any]) -> None:
         x = np.frombuffer(a.data, dtype=np.float32) if a.dtype == "float32" else np.frombuffer(a.data, np.uint16)
         y = np.frombuffer(b.data, dtype=x.dtype)
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+
+
+# -- Qwen2.5-VL: M-RoPE positions carried through the handoff ------------------------------------
+@pytest.fixture(scope="module")
+def qwen(model_dirs: dict[str, Path]) -> Path:
+    return model_dirs["qwen2.5-vl"]
+
+
+@pytest.fixture(scope="module")
+def qwen_engines(qwen: Path) -> dict[str, Any]:
+    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+
+    return {"encode": HFEncodeEngine(qwen), "prefill": HFPrefillEngine(qwen)}
+
+
+@pytest.mark.parametrize("ratio,route", [(1.0, "remote"), (0.0, "local")])
+def test_qwen_vl_greedy_through_epd_equals_generate(qwen: Path, qwen_engines: dict[str, Any], ratio: float,
+                                                    route: str) -> None:
+    """Qwen2.5-VL's 3-D positions: encode sends the images' grids, prefill takes the positions
+    and the delta from the model's get_rope_index, decode rotates by slot position + delta."""
+    ref = reference_for(qwen)
+
+    async def main() -> list[dict[str, Any]]:
+        async with EPD(qwen, qwen_engines, ratio, slots=4) as epd:
+            return list(await asyncio.gather(*(epd.ask(request(i)[0]) for i in (0, 1, 2))))
+
+    for i, out in enumerate(asyncio.run(main())):
+        assert out["route"] == route
+        assert out["tokens"] == ref(i), f"request {i}: engine {out['tokens']} != generate {ref(i)}"
+
+
+def test_qwen_vl_decode_logits_equal_the_whole_model_and_need_the_delta(qwen: Path,
+                                                                        qwen_engines: dict[str, Any]) -> None:
+    """Greedy tokens of a tiny random model are too coarse to show a wrong rotary offset, so this
+    compares logits: the decode step after the handed-over cache equals the whole model's
+    forward over prompt + first token, and the same step without the delta does not."""
+    import torch
+    from easerve_runtime.engines.base import DecodeSequence, EncodeInput, PrefillInput, Sampling
+    from easerve_runtime.engines.hf import HFDecodeEngine
+    from easerve_runtime.workers.wire import part_from_wire
+
+    wire, img, msgs = request(3)
+    emb = qwen_engines["encode"]._encode_sync(
+        [EncodeInput(wire["id"], tuple(part_from_wire(p) for p in wire["parts"]), 3, tuple(msgs))])[0]
+    assert emb.extra["image_grid_thw"] and emb.extra["image_grid_thw"][0][0] == 1
+    rows = np.frombuffer(bytes(emb.data), dtype=np.float32).reshape(emb.shape)
+    out = qwen_engines["prefill"].prefill_one(
+        PrefillInput(wire["id"], 1, emb.tokens, embedding=rows, extra=dict(emb.extra), sampling=Sampling(0.0)))
+    delta = out.kv_meta["rope_delta"]
+    assert delta < 0  # an image's rows span fewer positions than tokens
+    n = len(emb.extra["input_ids"])
+    dec = HFDecodeEngine(qwen, max_slots=1, max_len=256)
+    asyncio.run(dec.admit(DecodeSequence(wire["id"], n, 4, generated=[out.first_token], kv=out.kv,
+                                         kv_meta=out.kv_meta)))
+    assert dec.rope_delta[wire["id"]] == delta
+    ids, pos = torch.tensor([out.first_token]), torch.tensor([n])
+    with torch.inference_mode():
+        ours = dec._forward(ids, pos, 1, 256, pos + delta)[0]
+        without = dec._forward(ids, pos, 1, 256, pos)[0]
+
+    proc, model = full_model(qwen)
+    inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)],
+               return_tensors="pt")
+    assert inp["input_ids"][0].tolist() == emb.extra["input_ids"]
+    inp["input_ids"] = torch.cat([inp["input_ids"], ids[None]], 1)
+    inp["attention_mask"] = torch.ones_like(inp["input_ids"])
+    inp["mm_token_type_ids"] = torch.cat([inp["mm_token_type_ids"], torch.zeros_like(inp["mm_token_type_ids"][:, :1])], 1)
+    with torch.inference_mode():
+        whole = model(**inp).logits[0, -1]
+    assert torch.allclose(ours, whole, atol=1e-5), (ours - whole).abs().max()
+    assert (without - whole).abs().max() > 100 * (ours - whole).abs().max().clamp_min(1e-7)
+
+
+def test_qwen_vl_refuses_video_parts_with_a_message(qwen_engines: dict[str, Any]) -> None:
+    from easerve_runtime.engines.base import EncodeInput
+
+    part = MediaPart("video", b"\x00\x00\x00\x18ftypmp42", "video/mp4", {"frames": 8})
+    with pytest.raises(ValueError, match="request v1: video parts are not served"):
+        qwen_engines["encode"]._encode_sync([EncodeInput("v1", (part,), 0, ())])

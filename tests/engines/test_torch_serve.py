@@ -28,8 +28,8 @@ SPEC = """apiVersion: easerve.io/v1alpha1
 kind: EPDDeployment
 metadata: {{name: tiny-torch}}
 spec:
-  model: {{name: tiny-llava, modality: image, encoder: clip-vit-l-336, path: {path}}}
-  engine: {{backend: torch, profile: llava-v1.6-34b@h200}}
+  model: {{name: {name}, modality: image, encoder: {encoder}, path: {path}}}
+  engine: {{backend: torch, profile: {profile}}}
   decode: {{kvMemoryFraction: 0.01}}
   gpuBudget: 3
   allocation: {{encode: {{replicas: 1}}, prefill: {{replicas: 1}}, decode: {{replicas: 1}}}}
@@ -44,11 +44,20 @@ _WORKDIR: dict[str, Path] = {}
 """The served deployment's workdir (its processes.json names each worker's metrics port)."""
 
 
+LLAVA = {"name": "tiny-llava", "encoder": "clip-vit-l-336", "profile": "llava-v1.6-34b@h200"}
+QWEN = {"name": "tiny-qwen-vl", "encoder": "qwen2-vl-vision", "profile": "qwen2.5-vl-32b@h200"}
+
+
 @pytest.fixture(scope="module")
 def served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve(model_dirs["llava-next"], LLAVA, tmp_path_factory)
+
+
+def serve(model_dir: Path, model: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """``easerve serve`` of the tiny-model spec as a subprocess; yields its OpenAI base URL."""
     tmp = tmp_path_factory.mktemp("torch-serve")
     spec = tmp / "spec.yaml"
-    spec.write_text(SPEC.format(path=model_dirs["llava-next"]))
+    spec.write_text(SPEC.format(path=model_dir, **model))
     port = free_port()
     env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="1536", OMP_NUM_THREADS="1")
     logpath = tmp / "serve.log"
@@ -198,3 +207,39 @@ def test_a_client_that_leaves_mid_stream_frees_its_decode_slot(served: str, mode
                                        extra_body={"ignore_eos": True})
     assert r.usage.completion_tokens == 16
 
+
+
+@pytest.fixture(scope="module")
+def served_qwen(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    yield from serve(model_dirs["qwen2.5-vl"], QWEN, tmp_path_factory)
+
+
+def test_qwen_vl_over_openai_equals_generate(served_qwen: str, model_dirs: dict[str, Path]) -> None:
+    """Qwen2.5-VL through ``easerve serve``'s real processes (encode, remote and local prefill,
+    decode over Dynamo): greedy replies equal transformers' own generate, which needs the 3-D
+    M-RoPE positions and their delta carried from encode through prefill to decode."""
+    import torch
+    import transformers
+    from easerve_runtime.models.loading import load_processor
+    from PIL import Image
+
+    d = model_dirs["qwen2.5-vl"]
+    proc = load_processor(d)
+    model = getattr(transformers, transformers.AutoConfig.from_pretrained(d).architectures[0]).from_pretrained(d)
+    data = base64.b64decode(MESSAGES[0]["content"][0]["image_url"]["url"].split(",", 1)[1])
+    img = Image.open(io.BytesIO(data)).convert("RGB")
+    msgs = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is in this picture?"}]}]
+    inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)],
+               return_tensors="pt")
+    with torch.inference_mode():
+        ref = model.eval().generate(**inp, max_new_tokens=12, do_sample=False)[0, inp["input_ids"].shape[1]:].tolist()
+    ref = ref[: next((i + 1 for i, t in enumerate(ref) if t in (model.generation_config.eos_token_id,)), len(ref))]
+
+    client = openai.OpenAI(base_url=served_qwen, api_key="none", timeout=120)
+    routes = set()
+    for _ in range(4):  # offload ratio 0.5: both the remote and the local prefill route serve some
+        r = client.chat.completions.create(model="tiny-qwen-vl", messages=MESSAGES, max_tokens=12, temperature=0)
+        assert r.model_extra["easerve"]["token_ids"] == ref
+        assert r.usage.prompt_tokens == inp["input_ids"].shape[1]
+        routes.add(r.model_extra["easerve"].get("route"))
+    assert routes == {"local", "remote"}, routes  # the deficit router alternates at s = 0.5

@@ -24,9 +24,14 @@ decode on the H200):
   device (Gumbel-max with noise hashed from (seed, position, token)), so a sequence's tokens do
   not depend on who else is in the batch and a step pays no per-row host work (``sample_rows``).
 
-Supported families: LLaVA-NeXT (image) and Qwen2-Audio (audio). Qwen2.5-VL's directories load,
-but its M-RoPE positions (3-D, with per-request deltas) are not yet carried through the handoff:
-the engine refuses it with a message rather than serve wrong positions.
+Supported families: LLaVA-NeXT (image), Qwen2.5-VL (image) and Qwen2-Audio (audio).
+
+- **M-RoPE (Qwen2.5-VL)**: a prompt's positions are 3-D (time, height, width) over the image
+  rows. Encode sends each request's ``image_grid_thw`` with its token ids; prefill asks the
+  model's own ``get_rope_index`` for the positions and the request's offset (``rope_delta``:
+  the next text position minus the prompt length), which travels to decode in ``kv_meta``;
+  decode writes K/V at the slot position ``t`` and rotates by ``t + rope_delta``, as the
+  library's ``generate`` does with its ``rope_deltas``.
 """
 
 from __future__ import annotations
@@ -55,7 +60,9 @@ from easerve_runtime.engines.base import (
 
 log = logging.getLogger("easerve.engine.hf")
 
-SERVED_FAMILIES = ("llava_next", "qwen2_audio")
+SERVED_FAMILIES = ("llava_next", "qwen2_5_vl", "qwen2_audio")
+MROPE_FAMILIES = ("qwen2_5_vl",)
+"""Families whose positions are 3-D (M-RoPE): prefill gets them from the model, decode adds the delta."""
 DEFAULT_MAX_LEN = 4096
 DEFAULT_MAX_SLOTS = 256
 AUDIO_RATE = 16_000
@@ -391,7 +398,7 @@ class _Stage:
         if self.loaded.family not in SERVED_FAMILIES:
             raise ValueError(
                 f"spec.model.path: {path}: {self.loaded.family} loads but is not served yet by the torch engine "
-                f"(served: {', '.join(SERVED_FAMILIES)}); its M-RoPE positions are not carried through the handoff"
+                f"(served: {', '.join(SERVED_FAMILIES)})"
             )
         self.model = self.loaded.model
         self.device = device
@@ -452,6 +459,10 @@ class HFEncodeEngine(_Stage):
 
     def _check_kinds(self, batch: Sequence[EncodeInput]) -> str:
         kind = "audio" if self.family == "qwen2_audio" else "image"
+        if self.family == "qwen2_5_vl" and any(p.kind == "video" for r in batch for p in r.parts):
+            video = next(r for r in batch if any(p.kind == "video" for p in r.parts))
+            raise ValueError(f"request {video.request_id}: video parts are not served by the torch engine yet "
+                             f"(Qwen2.5-VL images are)")
         for r in batch:
             bad = [p.kind for p in r.parts if p.kind != kind]
             if bad:
@@ -629,8 +640,10 @@ class HFEncodeEngine(_Stage):
                 shape, dtype = tuple(rows.shape), str(rows.dtype).removeprefix("torch.")
             else:
                 data, shape, dtype = b"", (0, 0), "float32"
-            out.append(Embedding(r.request_id, data, shape, dtype,
-                                 extra={"input_ids": ids, "text_tokens": len(ids) - mm}))
+            extra: dict[str, Any] = {"input_ids": ids, "text_tokens": len(ids) - mm}
+            if self.family in MROPE_FAMILIES and r.parts:  # what prefill's M-RoPE positions need
+                extra["image_grid_thw"] = enc["image_grid_thw"][item - len(r.parts):item].tolist()
+            out.append(Embedding(r.request_id, data, shape, dtype, extra=extra))
         return out
 
     def _rows_to_host(self, feats: Sequence[Any], wait: bool = True) -> tuple[Any, list[int]]:
@@ -675,6 +688,9 @@ class HFEncodeEngine(_Stage):
                 vision_feature_select_strategy=self.loaded.config.vision_feature_select_strategy,
             ).pooler_output
             return list(feats)
+        if self.family == "qwen2_5_vl":  # the tower over every image's patches, split per image
+            grid = enc["image_grid_thw"].to(dev)
+            return list(m.get_image_features(enc["pixel_values"].to(dev, self.loaded.dtype), grid).pooler_output)
         # qwen2_audio: what Qwen2AudioModel.forward does before merging (the class has no
         # get_audio_features): tower over the padded mels, projector, then each clip's valid rows
         from transformers.masking_utils import create_bidirectional_mask
@@ -720,11 +736,29 @@ class HFPrefillEngine(_Stage):
         rows = rows.to(emb.device, emb.dtype)
         if self.family == "llava_next":
             mask = m.get_placeholder_mask(ids, inputs_embeds=emb, image_features=rows)
+        elif self.family == "qwen2_5_vl":
+            mask, _video = m.get_placeholder_mask(ids, inputs_embeds=emb, image_features=rows)
         else:
             mask = (ids == self.loaded.mm_token_id).unsqueeze(-1)
             if int(mask.sum()) != rows.shape[0]:
                 raise ValueError(f"{int(mask.sum())} audio placeholders for {rows.shape[0]} embedding rows")
         return emb.masked_scatter(mask.to(torch.bool), rows)
+
+    def positions(self, ids: Any, extra: Mapping[str, Any]) -> tuple[Any, int]:
+        """The prompt's position ids for the language model and the decode offset (``rope_delta``).
+
+        ``(None, 0)`` (the model's own 1-D positions) except for an M-RoPE family with images:
+        then the model's ``get_rope_index`` over the ids and the images' ``image_grid_thw`` that
+        encode sent, ``[3, 1, L]``, and the offset the next text positions carry."""
+        import torch
+
+        grid = extra.get("image_grid_thw")
+        if self.family not in MROPE_FAMILIES or not grid:
+            return None, 0
+        m = self.model.model
+        types = (ids == self.loaded.mm_token_id).to(torch.int32)  # 1: an image row, 0: text
+        pos, delta = m.get_rope_index(ids, types, image_grid_thw=torch.tensor(grid, device=ids.device))
+        return pos, int(delta.reshape(-1)[0])
 
     def _stream_ctx(self, sm_share: float) -> Any:
         import contextlib
@@ -756,12 +790,16 @@ class HFPrefillEngine(_Stage):
                     else torch.from_numpy(arr.copy()))
         with torch.inference_mode(), self._stream_ctx(sm_share):
             emb = self.embed(ids, rows)
+            positions, delta = self.positions(ids, r.extra)
             cache = DynamicCache(config=self.loaded.text_config)
-            out = self.model.model.language_model(inputs_embeds=emb, past_key_values=cache, use_cache=True)
+            out = self.model.model.language_model(inputs_embeds=emb, position_ids=positions, past_key_values=cache,
+                                                  use_cache=True)
             logits = self.model.lm_head(out.last_hidden_state[:, -1])[0]
             token = sample(logits, r.sampling, 0)
             kv = stack_kv(cache)
             meta = kv_meta(kv) | {"tokens": len(ids_list)}
+            if delta:
+                meta["rope_delta"] = delta
             nbytes = kv.numel() * kv.element_size()
             if self.device.startswith("cuda"):  # the host copy waits for the handoff (deferred_pack)
                 ready = torch.cuda.Event()
@@ -948,6 +986,9 @@ class HFDecodeEngine(_Stage):
         self.slot_of: dict[str, int] = {}
         self.length: dict[str, int] = {}
         self.sampling: dict[str, Sampling | None] = {}
+        self.rope_delta: dict[str, int] = {}
+        """Per sequence, its rotary offset (M-RoPE families): it rotates by slot position + delta."""
+        self.mrope = self.family in MROPE_FAMILIES
         self.cuda_graphs = device.startswith("cuda") if cuda_graphs is None else cuda_graphs
         self._graphs: dict[tuple[int, int], tuple[Any, dict[str, Any]]] = {}
         self.kv_bytes_in = 0
@@ -1121,6 +1162,8 @@ class HFDecodeEngine(_Stage):
         self.slot_of[seq.request_id] = slot
         self.length[seq.request_id] = t
         self.sampling[seq.request_id] = seq.sampling
+        if self.mrope:
+            self.rope_delta[seq.request_id] = int((seq.kv_meta or {}).get("rope_delta", 0))
         seq.kv = None  # the slot holds it now
         self.stats["admits"] += 1
         self.stats["admit_s"] += time.perf_counter() - t0
@@ -1132,6 +1175,7 @@ class HFDecodeEngine(_Stage):
         slot = self.slot_of.pop(request_id, None)
         self.length.pop(request_id, None)
         self.sampling.pop(request_id, None)
+        self.rope_delta.pop(request_id, None)
         if slot is None:
             return
         last = len(self.slot_of)
@@ -1144,17 +1188,21 @@ class HFDecodeEngine(_Stage):
         self.stats["releases"] += 1
         self.stats["release_s"] += time.perf_counter() - t0
 
-    def _forward(self, ids: Any, pos: Any, n: int, kv_len: int | None = None) -> Any:
-        """Logits of one step over slots 0..n-1 (ids/pos indexed by slot), attending to ``kv_len`` positions."""
+    def _forward(self, ids: Any, pos: Any, n: int, kv_len: int | None = None, rope_pos: Any = None) -> Any:
+        """Logits of one step over slots 0..n-1 (ids/pos indexed by slot), attending to ``kv_len`` positions.
+
+        ``pos`` is where each row's K/V goes in its slot; ``rope_pos`` (default ``pos``) is the
+        position its rotary embedding uses (M-RoPE: ``pos`` + the request's delta)."""
         import torch
 
         kv_len = kv_len or self.max_len
+        rope_pos = pos if rope_pos is None else rope_pos
         lm = self.model.model.language_model
         steps = torch.arange(kv_len, device=ids.device)
         mask = (steps[None, :] <= pos[:, None])[:, None, None, :]
         cache = SlotCache(self.k, self.v, n, pos, kv_len)
         emb = lm.get_input_embeddings()(ids[:, None])
-        h = lm(inputs_embeds=emb, position_ids=pos[:, None], attention_mask=mask, past_key_values=cache,
+        h = lm(inputs_embeds=emb, position_ids=rope_pos[:, None], attention_mask=mask, past_key_values=cache,
                use_cache=True).last_hidden_state
         return self.model.lm_head(h[:, -1])
 
@@ -1164,7 +1212,7 @@ class HFDecodeEngine(_Stage):
             b *= 2
         return min(b, self.slots)
 
-    def _graph_logits(self, ids: Any, pos: Any, n: int, kv_len: int) -> Any:
+    def _graph_logits(self, ids: Any, pos: Any, n: int, kv_len: int, rope_pos: Any = None) -> Any:
         """CUDA-graph replay of the step for the (batch bucket >= n, K/V length bucket) pair (captured on first use)."""
 
         b = self._bucket(n)
@@ -1174,12 +1222,15 @@ class HFDecodeEngine(_Stage):
             except Exception as exc:  # a model whose step cannot be captured still decodes, eagerly
                 log.warning("decode: CUDA graph capture failed (%r); decoding eagerly", exc)
                 self.cuda_graphs = False
-                return self._forward(ids, pos, n, kv_len)
+                return self._forward(ids, pos, n, kv_len, rope_pos)
         g, st = self._graphs[(b, kv_len)]
         st["ids"].zero_()
         st["pos"].zero_()  # padding rows (free slots) write at position 0 of a free slot: harmless
         st["ids"][:n] = ids
         st["pos"][:n] = pos
+        if "rope" in st:
+            st["rope"].zero_()
+            st["rope"][:n] = pos if rope_pos is None else rope_pos
         g.replay()
         return st["out"][:n]
 
@@ -1192,15 +1243,17 @@ class HFDecodeEngine(_Stage):
         t0 = time.perf_counter()
         st = {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
               "pos": torch.zeros(b, dtype=torch.long, device=self.device)}
+        if self.mrope:  # a rotary position of its own per row (slot position + the request's delta)
+            st["rope"] = torch.zeros(b, dtype=torch.long, device=self.device)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             for _ in range(2):
-                self._forward(st["ids"], st["pos"], b, kv_len)
+                self._forward(st["ids"], st["pos"], b, kv_len, st.get("rope"))
         torch.cuda.current_stream().wait_stream(s)
         g = torch.cuda.CUDAGraph()
         with self._capture_lock, torch.cuda.graph(g):
-            st["out"] = self._forward(st["ids"], st["pos"], b, kv_len)
+            st["out"] = self._forward(st["ids"], st["pos"], b, kv_len, st.get("rope"))
         self._graphs[(b, kv_len)] = (g, st)
         self.stats["captures"] += 1
         self.stats["capture_s"] += time.perf_counter() - t0
@@ -1221,13 +1274,15 @@ class HFDecodeEngine(_Stage):
         lengths = [self.length[s.request_id] for s in seqs]
         ids = torch.tensor([s.generated[-1] for s in seqs], device=self.device)
         pos = torch.tensor(lengths, device=self.device)
+        rope_pos = (torch.tensor([n + self.rope_delta.get(s.request_id, 0) for n, s in zip(lengths, seqs, strict=True)],
+                                 device=self.device) if self.mrope else None)
         kv_len = kv_bucket(max(lengths) + 1, self.max_len)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)] if self._cuda else None
         with torch.inference_mode():
             if ev:
                 ev[0].record()
-            logits = (self._graph_logits(ids, pos, n, kv_len) if self.cuda_graphs
-                      else self._forward(ids, pos, n, kv_len))
+            logits = (self._graph_logits(ids, pos, n, kv_len, rope_pos) if self.cuda_graphs
+                      else self._forward(ids, pos, n, kv_len, rope_pos))
             if ev:
                 ev[1].record()
             # every row at once on the device, one sync (greedy and sampled rows alike)

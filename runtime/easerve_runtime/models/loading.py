@@ -157,7 +157,42 @@ def load_processor(path: str | Path, trust_remote_code: bool = False) -> Any:
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ImportError as exc:
+        if read_config(path).get("model_type") == "qwen2_5_vl":
+            try:
+                return qwen_image_processor(path)
+            except ImportError:
+                pass
         raise ModelDirError(f"spec.model.path: {path}: its processor needs a package missing here: {exc}") from None
+
+
+def qwen_image_processor(path: str | Path) -> Any:
+    """Qwen2.5-VL's own processor class with its PIL image processor and no video processor.
+
+    Why: in transformers 5 the directory's processor loads torchvision-only image and video
+    processors, and PyPI's torchvision is a CUDA build that does not load beside a CPU torch. The
+    library also ships a PIL image processor (``Qwen2VLImageProcessorPil``) that computes the same
+    patches; with it, the library's processor class still does the chat template and the
+    placeholder expansion (no copy of either here). Videos are refused by the encode engine on
+    such a machine (``has_video``), with a message that names the missing package."""
+    from transformers import AutoTokenizer, Qwen2_5_VLProcessor
+    from transformers.models.qwen2_vl import Qwen2VLImageProcessorPil
+
+    class ImageOnlyProcessor(Qwen2_5_VLProcessor):
+        has_video = False
+
+        def check_argument_for_proper_class(self, argument_name: str, argument: Any) -> Any:
+            if argument_name == "video_processor" and argument is None:
+                return None
+            return super().check_argument_for_proper_class(argument_name, argument)
+
+    tok = AutoTokenizer.from_pretrained(path)
+    template = Path(path) / "chat_template.jinja"
+    return ImageOnlyProcessor(
+        image_processor=Qwen2VLImageProcessorPil.from_pretrained(path),
+        tokenizer=tok,
+        video_processor=None,
+        chat_template=template.read_text() if template.exists() else getattr(tok, "chat_template", None),
+    )
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any:
