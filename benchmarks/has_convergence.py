@@ -22,8 +22,9 @@ below, near and above the examples' saturation):
 
 Prints JSON on stdout, progress on stderr, writes has_convergence.json and has_convergence.png
 to --out (default benchmarks/out/has_convergence/). The exhaustive tables are cached there per
-(example, Λ) as exhaustive-<example>-r<Λ>.json; building one costs 880 twin runs (about 1 min
-on an idle core, 30 min on the shared 2-core host under load).
+(example, Λ) as exhaustive-<example>-r<Λ>.json; building one costs 944 twin runs on the 8-GPU
+examples (880 with a remote prefill pool, 64 all-local; about 1 min on an idle core, 30 min on
+the shared 2-core host under load).
 """
 
 from __future__ import annotations

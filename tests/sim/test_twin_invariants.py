@@ -191,3 +191,21 @@ def test_all_local_prefill_with_an_odd_encoder_count_is_rejected_naming_the_fiel
     )
     with pytest.raises(ValueError, match="spec.allocation.encode.replicas"):
         simulate(spec, generate(spec, 1.0, 5, seed=0), "easerve", model=cached_model(llava_spec))
+
+
+def test_all_local_prefill_on_two_gpus_runs_without_a_remote_prefill_pool(llava_spec, toy_model) -> None:
+    """E1 P0 D1 (a 2-GPU budget, s = 0): every prefill runs on the encode GPU's local worker."""
+    from easerve_runtime.api import EPDDeploymentSpec
+
+    raw = llava_spec.wire()
+    raw["gpuBudget"] = 2
+    raw["allocation"] = {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}}
+    raw["offload"] = {"ratio": 0.0}
+    spec = EPDDeploymentSpec.model_validate(raw)  # the spec's own rules admit it
+    reqs = generate(spec, 1.0, 60, seed=4)
+    r = simulate(spec, reqs, "easerve", model=toy_model, sweep=False)
+    assert r.summary["completed"] == 60 and r.summary["failed"] == 0
+    assert r.summary["goodput"][spec.slo.objective] > 0
+    assert r.routed == {"remote": 0, "local": 60}
+    assert r.utilisation["prefill"] is None and r.utilisation["local_prefill"] > 0
+    assert r.stats["prefilled_tokens"] == sum(q.prefill_tokens for q in reqs)

@@ -53,6 +53,38 @@ def test_cli_json_has_the_listed_fields(tmp_path, capsys):
     assert json.loads((tmp_path / "report.json").read_text())["best"] == best
 
 
+def two_gpu_manifest(path: Path) -> Path:
+    """The audio example on a 2-GPU budget (h200 profile: the backbone fits one GPU), E1 P0 D1, s = 0."""
+    import yaml
+
+    doc = yaml.safe_load(Path(AUDIO).read_text())
+    sp = doc["spec"]
+    sp["engine"]["profile"] = "ultravox-v0.6-27b@h200"
+    sp["gpuBudget"] = 2
+    sp["allocation"] = {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}}
+    sp["offload"] = {"ratio": 0.0}
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+def test_cli_tunes_a_two_gpu_budget_on_the_all_local_layout(tmp_path, capsys):
+    spec = two_gpu_manifest(tmp_path / "two.yaml")
+    args = ["tune", "-f", str(spec), *FAST, "--budget", "4", "--no-progress"]
+    assert main([*args, "--out", str(tmp_path / "out"), "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["space"]["allocations"] == ["1E-0P-1D"]
+    best = out["best"]
+    assert best["allocation"] == "1E-0P-1D" and best["offload_ratio"] == 0.0
+    assert best["metrics"]["throughput"] > 0
+    assert {t["offload_ratio"] for t in out["trials"]} == {0.0}
+    (row,) = out["stage1_table"]  # prefill capacity from the local prefill worker alone
+    assert row["cap_p"] > 0 and row["kept"]
+    # without local prefill no layout fits 2 GPUs: refused up front, saying why
+    assert main([*args, "--no-local-prefill", "--out", str(tmp_path / "none")]) == 2
+    err = capsys.readouterr().err
+    assert "spec.gpuBudget=2" in err and "local prefill is off" in err
+
+
 def test_cli_refuses_bad_input_naming_the_field(tmp_path, capsys):
     assert main(["tune", "-f", AUDIO, *FAST, "--objective", "goodput@nope", "--out", str(tmp_path)]) == 2
     assert "tier 'nope'" in capsys.readouterr().err

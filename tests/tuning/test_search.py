@@ -168,3 +168,17 @@ def test_summary_is_compact_and_consistent(image_spec, td):
         res.stage1.capacities.parallel_cost_s + sum(t.cost_s for t in res.real_trials)
     )
     json.dumps(s)
+
+
+@pytest.mark.parametrize("method", ["has", "random", "coordinate"])
+def test_every_proposal_is_a_valid_point_all_local_included(image_spec, td, method):
+    """The space holds all-local allocations (prefill 0, s = 0); no method proposes a point the
+    space or the spec refuses (a refused spec would show as a failed trial)."""
+    space = space_for(image_spec, 2, max_batch=8, s_step=0.1)
+    res = run(image_spec, td, method, budget=30)
+    assert res.real_trials and not [t.error for t in res.trials if t.state == "failed"]
+    assert all(space.contains(t.candidate) for t in res.real_trials)
+    all_local = [t.candidate for t in res.real_trials if t.candidate.alloc.prefill == 0]
+    assert all(c.offload_ratio == 0.0 for c in all_local)
+    if method == "coordinate":  # its first line walks every allocation
+        assert all_local

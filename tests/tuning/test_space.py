@@ -8,10 +8,13 @@ from easerve_operator.tuning.space import (
     Candidate,
     SearchSpace,
     apply_candidate,
+    enumerate_allocations,
     s_grid,
     snap_s,
     space_for,
 )
+from easerve_runtime.api import parse_spec, spec_errors
+from pydantic import ValidationError
 
 
 def test_grid_helpers():
@@ -24,7 +27,16 @@ def test_grid_helpers():
 
 def test_space_size_and_points(image_spec):
     space = space_for(image_spec, 2, max_batch=4, s_step=0.5)
-    assert space.size == 5 * 4 * 3 == len(list(space.points()))
+    # 5 allocations with a remote prefill pool (3 s values each) and 4 all-local ones (s = 0 only)
+    assert space.size == 5 * 4 * 3 + 4 * 4 * 1 == len(list(space.points()))
+    all_local = [a for a in space.allocations if a.prefill == 0]
+    assert {a.label for a in all_local} == {
+        "6E-0P(tp2)-1D(tp2)",
+        "4E-0P(tp2)-2D(tp2)",
+        "2E-0P(tp2)-3D(tp2)",
+        "4E-0P(tp2)-1D(tp4)",
+    }
+    assert all(space.s_values(a) == (0.0,) for a in all_local)
     assert space_for(image_spec, 2, local_prefill=False).s_values() == (1.0,)
     with pytest.raises(ValueError, match="gpuBudget"):
         space_for(image_spec.model_copy(update={"gpu_budget": 4}), 4)
@@ -51,3 +63,65 @@ def test_apply_candidate_rejects_an_impossible_point(image_spec):
 def test_space_rejects_empty():
     with pytest.raises(ValueError, match="no feasible allocation"):
         SearchSpace(())
+
+
+def two_gpus(spec):
+    """``spec`` on a 2-GPU budget whose backbone fits one GPU (the h200 profile: min_tp 1)."""
+    return spec.model_copy(
+        update={"gpu_budget": 2, "engine": spec.engine.model_copy(update={"profile": "llava-v1.6-34b@h200"})}
+    )
+
+
+def test_two_gpus_hold_only_the_all_local_layout_at_s_zero(image_spec):
+    space = space_for(two_gpus(image_spec), 1, max_batch=4, s_step=0.1)
+    assert space.allocations == (Alloc(1, 0, 1, 1, 1),) and space.allocations[0].label == "1E-0P-1D"
+    points = list(space.points())
+    assert [(c.batch_bound, c.offload_ratio) for c in points] == [(1, 0.0), (2, 0.0), (3, 0.0), (4, 0.0)]
+    assert not space.contains(Candidate(Alloc(1, 0, 1, 1, 1), 2, 0.1))
+    # the point is a valid spec: no remote prefill pool, local prefill under a partition
+    out = apply_candidate(two_gpus(image_spec), points[1])
+    assert out.allocation.prefill.replicas == 0 and out.offload.ratio == 0.0 and out.has_local_prefill
+    assert out.sm_partition.mode == "dynamic" and out.allocation.gpus == 2
+
+
+def test_without_local_prefill_two_gpus_fit_nothing_and_the_error_says_why(image_spec):
+    with pytest.raises(ValueError, match=r"spec.gpuBudget=2: .*3 GPUs.*local prefill is off"):
+        space_for(two_gpus(image_spec), 1, local_prefill=False)
+    assert enumerate_allocations(2, 1) == []  # no local prefill: one worker per stage
+
+
+def test_all_local_layouts_need_whole_local_prefill_pods():
+    # backbone at TP 2: a local prefill worker spans 2 encode GPUs, so 5 GPUs give 2E-0P-1D(tp2)
+    # (the fifth GPU cannot be an encode worker without a local prefill partner)
+    allocs = enumerate_allocations(5, 2, local_prefill=True, local_tp=2)
+    assert [a.label for a in allocs if a.prefill == 0] == ["2E-0P(tp2)-1D(tp2)"]
+    assert all(a.encode % 2 == 0 for a in enumerate_allocations(8, 2, local_prefill=True, local_tp=2, full_only=False)
+               if a.prefill == 0)
+    assert enumerate_allocations(3, 2, local_prefill=True, local_tp=2) == []
+    with pytest.raises(ValueError, match="no prefill worker at all"):
+        SearchSpace((Alloc(3, 0, 2, 1, 2),), local_tp=2)
+
+
+def test_nearest_s_keeps_s_where_the_allocation_allows_it(image_spec):
+    space = space_for(image_spec, 2, s_step=0.1)
+    remote, all_local = Alloc(4, 1, 2, 1, 2), Alloc(6, 0, 2, 1, 2)
+    assert space.nearest_s(remote, 0.3) == 0.3 and space.nearest_s(all_local, 0.3) == 0.0
+    no_local = space_for(image_spec, 2, local_prefill=False)
+    assert no_local.nearest_s(remote, 0.3) == 1.0
+
+
+def test_prefill_zero_with_s_above_zero_is_refused_naming_the_field(image_spec):
+    c = Candidate(Alloc(1, 0, 1, 1, 1), 2, 0.3)
+    with pytest.raises(ValueError, match="spec.offload.ratio"):
+        apply_candidate(two_gpus(image_spec), c)
+    raw = two_gpus(image_spec).wire()
+    raw["allocation"] = {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}}
+    raw["offload"] = {"ratio": 0.0}
+    assert parse_spec(raw).allocation.label() == "1E-0P-1D"  # s = 0: every prefill runs locally
+    for s in (0.3, 1.0):
+        raw["offload"] = {"ratio": s}
+        raw["smPartition"] = {"mode": "none"}
+        with pytest.raises(ValidationError) as info:
+            parse_spec(raw)
+        lines = spec_errors(info.value)
+        assert any(line.startswith("spec.offload.ratio") and "prefill.replicas is 0" in line for line in lines), lines

@@ -100,6 +100,21 @@ def test_without_local_prefill_cap_p_is_remote_only():
     assert rows[0].cap_p == pytest.approx(1.5) and rows[0].score == pytest.approx(5 / 1.5)
 
 
+def test_all_local_allocation_takes_prefill_capacity_from_local_prefill_only():
+    L = Alloc(6, 0, 2, 1, 2)  # 6E-0P(tp2)-1D(tp2): no remote prefill pool
+    space = SearchSpace((L, A), s_step=0.1)
+    rows = score_allocations([L], caps(), 1.0)
+    # Cap_P = 0 * 1.5 + 6 local workers * 0.3 * 1.5 = 2.7; Cap_E = 6 * 2.7; Cap_D = 1.9
+    assert rows[0].cap_p == pytest.approx(2.7) and rows[0].cap_e == pytest.approx(16.2)
+    assert rows[0].cap_d == pytest.approx(1.9) and rows[0].score == pytest.approx(1 / 1.9)
+    assert s_star(L, caps(), True) == 0.0
+    r = seed_range(L, caps(), 1.0, space)  # s fixed at 0: no window around s* (the spec refuses s > 0)
+    assert (r.s_star, r.s_lo, r.s_hi, r.s_seed) == (0.0, 0.0, 0.0, 0.0)
+    # with local prefill off the space cannot hold it at all (nothing would prefill)
+    with pytest.raises(ValueError, match="no prefill worker at all"):
+        SearchSpace((L,), local_prefill=False)
+
+
 def test_b_max_hand_computed():
     assert b_max(5.0, 2) == 3  # ceil(2.5)
     assert b_max(5.0, 4) == 2  # ceil(1.25)

@@ -69,9 +69,8 @@ class CoordinateProposer:
         c = self.current
         if dim == "alloc":
             line = []
-            for a in self.space.allocations:  # keep s if the allocation allows it, else s = 1
-                s = c.offload_ratio if c.offload_ratio in self.space.s_values(a) else 1.0
-                line.append(Candidate(a, c.batch_bound, s))
+            for a in self.space.allocations:  # keep s where the allocation allows it (space.nearest_s)
+                line.append(Candidate(a, c.batch_bound, self.space.nearest_s(a, c.offload_ratio)))
             return line
         if dim == "B":
             return [Candidate(c.alloc, b, c.offload_ratio) for b in self.space.batch_values()]

@@ -5,13 +5,23 @@ space (so their comparison is about search, not about what they may pick), and t
 evaluation in ``benchmarks/has_convergence.py`` enumerates it point by point:
 
 - allocations: encode workers at TP 1; prefill and decode TP from {1, 2, 4, 8} where the model
-  fits (``min_tp``); at least one worker per stage; by default only allocations that use the
-  whole GPU budget (a leftover GPU is never worse as one more encode worker, which also hosts
-  one more local prefill worker);
+  fits (``min_tp``); at least one encode and one decode worker; at least one remote prefill
+  worker, except in the all-local allocations (below); by default only allocations that use
+  the whole GPU budget (a leftover GPU is never worse as one more encode worker, which also
+  hosts one more local prefill worker);
+- all-local allocations: prefill replicas 0, when local prefill is allowed and the encode GPUs
+  host at least one local prefill worker (one spans ``local_tp`` encode GPUs, the backbone's
+  TP). Every prefill then runs on the encode GPUs. On one or two GPUs this is the only layout
+  there is (E1 P0 D1), and at larger budgets it trades the remote prefill pool's GPUs for more
+  encode and decode workers. Their prefill TP is the smallest feasible one: no worker runs at
+  it, but Stage 1 scales local capacity from C_P at that TP (α's reference), and one canonical
+  value keeps each layout in the space once. "Whole budget" for them means as many
+  ``local_tp`` encode pods as fit (a leftover GPU cannot be an encode worker without a local
+  prefill partner while s < 1);
 - B: the integers 1..``max_batch``;
 - s: multiples of ``s_step`` in [0, 1] when local prefill is allowed and the allocation has
-  enough encode GPUs to host a local prefill worker (one spans ``local_tp`` encode GPUs, the
-  backbone's TP), else only 1.0.
+  enough encode GPUs to host a local prefill worker, else only 1.0; only 0.0 for the all-local
+  allocations (there is no remote prefill worker to offload to: the spec refuses s > 0 there).
 
 ``apply_candidate`` turns a point into a full ``EPDDeploymentSpec`` copied from the user's spec,
 so a result can be written straight into ``status.tuning`` or a YAML file.
@@ -118,28 +128,52 @@ def feasible_tps(min_tp: int, options: tuple[int, ...] = TP_OPTIONS) -> tuple[in
     return tuple(t for t in options if t >= min_tp)
 
 
+def local_workers(encode: int, local_prefill: bool, local_tp: int) -> int:
+    """Local prefill workers that ``encode`` encode GPUs host: one per encode pod of ``local_tp``
+    GPUs when local prefill is allowed; none unless the pods divide evenly
+    (``easerve_runtime.topology`` refuses leftovers). The one copy of this rule: the space's s
+    grid, its all-local allocations and Stage 1's capacities all read it."""
+    return encode // local_tp if local_prefill and encode % local_tp == 0 else 0
+
+
 def enumerate_allocations(
-    gpu_budget: int, min_tp: int, *, full_only: bool = True, tp_options: tuple[int, ...] = TP_OPTIONS
+    gpu_budget: int,
+    min_tp: int,
+    *,
+    full_only: bool = True,
+    tp_options: tuple[int, ...] = TP_OPTIONS,
+    local_prefill: bool = False,
+    local_tp: int = 1,
 ) -> list[Alloc]:
-    """Every feasible allocation under ``gpu_budget`` (sorted, no duplicates).
+    """Every feasible allocation under ``gpu_budget`` (sorted, no duplicates; may be empty).
 
     ``full_only`` keeps allocations that use the whole budget; leftover GPUs always go to
-    encode (TP 1), so every prefill/decode layout appears exactly once.
+    encode (TP 1), so every prefill/decode layout appears exactly once. With ``local_prefill``
+    the all-local allocations (prefill replicas 0, encode in pods of ``local_tp``) are added too;
+    see the module docstring.
     """
-    if gpu_budget < 3:
-        raise ValueError(f"gpu_budget must be >= 3 (one worker per stage), got {gpu_budget}")
+    if gpu_budget < 1:
+        raise ValueError(f"gpu_budget must be >= 1, got {gpu_budget}")
+    if local_tp < 1:
+        raise ValueError(f"local_tp must be >= 1, got {local_tp}")
     tps = feasible_tps(min_tp, tp_options)
     out: set[Alloc] = set()
-    for tp_p in tps:
-        for tp_d in tps:
-            for n_p in range(1, gpu_budget // tp_p + 1):
-                for n_d in range(1, gpu_budget // tp_d + 1):
+    for tp_d in tps:
+        for n_d in range(1, gpu_budget // tp_d + 1):
+            for tp_p in tps:
+                for n_p in range(1, gpu_budget // tp_p + 1):
                     left = gpu_budget - n_p * tp_p - n_d * tp_d
                     if left < 1:
                         continue
                     encodes = [left] if full_only else range(1, left + 1)
                     for n_e in encodes:
                         out.add(Alloc(n_e, n_p, tp_p, n_d, tp_d))
+            if not local_prefill:
+                continue
+            left = gpu_budget - n_d * tp_d
+            hosts = [n for n in range(1, left + 1) if local_workers(n, local_prefill, local_tp) > 0]
+            for n_e in hosts[-1:] if full_only else hosts:
+                out.add(Alloc(n_e, 0, tps[0], n_d, tp_d))
     return sorted(out)
 
 
@@ -172,6 +206,14 @@ class SearchSpace:
             raise ValueError(f"local_tp must be >= 1, got {self.local_tp}")
         if not self.allocations:
             raise ValueError("the search space has no feasible allocation")
+        for a in self.allocations:
+            if a.encode < 1 or a.decode < 1:
+                raise ValueError(f"allocation {a.label}: at least one encode and one decode worker")
+            if a.prefill == 0 and self.n_local(a) == 0:
+                raise ValueError(
+                    f"allocation {a.label} has no prefill worker at all: no remote prefill and no local "
+                    f"prefill (local_prefill={self.local_prefill}, local_tp={self.local_tp})"
+                )
         if not 1 <= self.max_batch <= 256:
             raise ValueError(f"max_batch must be in [1, 256], got {self.max_batch}")
         s_grid(self.s_step)
@@ -180,15 +222,25 @@ class SearchSpace:
         return tuple(range(1, self.max_batch + 1))
 
     def n_local(self, a: Alloc) -> int:
-        """Local prefill workers allocation ``a`` can host: one per encode pod of ``local_tp`` encode
-        GPUs; none unless they divide evenly (``easerve_runtime.topology`` refuses leftovers)."""
-        return a.encode // self.local_tp if self.local_prefill and a.encode % self.local_tp == 0 else 0
+        """Local prefill workers allocation ``a`` can host (``local_workers``)."""
+        return local_workers(a.encode, self.local_prefill, self.local_tp)
 
     def s_values(self, a: Alloc | None = None) -> tuple[float, ...]:
-        """The s grid (of allocation ``a``: only 1.0 when it cannot host local prefill)."""
+        """The s grid (of allocation ``a``: only 1.0 when it cannot host local prefill, only 0.0
+        when it has no remote prefill worker)."""
+        if a is not None and a.prefill == 0:
+            return (0.0,)
         if not self.local_prefill or (a is not None and self.n_local(a) == 0):
             return (1.0,)
         return s_grid(self.s_step)
+
+    def nearest_s(self, a: Alloc, s: float) -> float:
+        """``s`` if allocation ``a`` admits it, else the value of ``a``'s s grid nearest to it (the
+        larger on a tie). A search moving to another allocation keeps its s where it can: 1.0 on
+        an allocation without local prefill, 0.0 on an all-local one."""
+        grid = self.s_values(a)
+        s = round_s(s)
+        return s if s in grid else min(grid, key=lambda v: (abs(v - s), -v))
 
     def points(self) -> Iterator[Candidate]:
         for a in self.allocations:
@@ -228,13 +280,22 @@ def space_for(
     full_only: bool = True,
     local_tp: int = 1,
 ) -> SearchSpace:
-    """The space for a deployment spec: its GPU budget and the model's ``min_tp``."""
-    allocs = enumerate_allocations(spec.gpu_budget, min_tp, full_only=full_only)
+    """The space for a deployment spec: its GPU budget and the model's ``min_tp``.
+
+    Raises ``ValueError`` naming ``spec.gpuBudget`` and the smallest budget that would fit when
+    no allocation does (e.g. 2 GPUs with local prefill off: each stage then needs its own).
+    """
+    allocs = enumerate_allocations(
+        spec.gpu_budget, min_tp, full_only=full_only, local_prefill=local_prefill, local_tp=local_tp
+    )
     if not allocs:
-        raise ValueError(
-            f"spec.gpuBudget={spec.gpu_budget}: no allocation fits (the model needs TP >= {min_tp} "
-            "for prefill and decode, plus one encode GPU)"
-        )
+        tp = min(feasible_tps(min_tp), default=min_tp)
+        why = f"{1 + 2 * tp} GPUs with a remote prefill worker (1 encode, prefill and decode at TP {tp})"
+        if local_prefill:
+            why += f", or {local_tp + tp} all-local ({local_tp} encode GPU(s) hosting local prefill, decode at TP {tp})"
+        else:
+            why += "; local prefill is off, so there is no all-local layout"
+        raise ValueError(f"spec.gpuBudget={spec.gpu_budget}: no allocation fits: the smallest needs {why}")
     return SearchSpace(
         tuple(allocs), max_batch=max_batch, s_step=s_step, local_prefill=local_prefill, local_tp=local_tp
     )

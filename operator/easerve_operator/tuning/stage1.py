@@ -12,7 +12,8 @@ Definitions (issue 5; the paper's Eq. 4 and Algorithm 1 are missing from our cop
 - Cap_E = n_E·C_E; Cap_P = n_P·C_P + n_L·α·C_P; Cap_D = n_D·C_D. n_L is the number of local
   prefill workers: ⌊n_E / local_tp⌋ when local prefill is allowed (one worker per encode GPU
   when the backbone fits one GPU; one per ``local_tp`` encode GPUs when it needs TP
-  ``local_tp``, as on the twin), else 0.
+  ``local_tp``, as on the twin), else 0. An all-local allocation (n_P = 0, see ``space``)
+  gets its prefill capacity from the n_L·α·C_P term alone; s is then fixed at 0 and s* = 0.
 - ρ_x = Λ / Cap_x; score = max_x ρ_x (lower is better).
 - keep every allocation that is not saturated (score ≤ 1: each stage carries Λ); of the rest,
   keep those with score ≤ 1.2 × best score, up to K = 3 survivors in all (equal scores are
@@ -43,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from easerve_operator.tuning.runners import Profiler
-from easerve_operator.tuning.space import Alloc, SearchSpace, round_s, s_grid, snap_s
+from easerve_operator.tuning.space import Alloc, SearchSpace, local_workers, round_s, s_grid, snap_s
 
 DEFAULT_ALPHA = 0.3
 SATURATION_GAIN = 0.05
@@ -224,15 +225,18 @@ class Stage1Row:
 
 
 def n_local(a: Alloc, local_prefill: bool, local_tp: int = 1) -> int:
-    """Local prefill workers: one per ``local_tp`` encode GPUs when local prefill is allowed and
-    the encode GPUs divide into pods of ``local_tp`` (the topology's rule), else 0."""
-    return a.encode // local_tp if local_prefill and a.encode % local_tp == 0 else 0
+    """Local prefill workers of allocation ``a`` (the space's rule, ``space.local_workers``)."""
+    return local_workers(a.encode, local_prefill, local_tp)
 
 
 def capacities(
     a: Alloc, caps: StageCapacities, local_prefill: bool, local_tp: int = 1
 ) -> tuple[float, float, float]:
-    """(Cap_E, Cap_P, Cap_D) of allocation ``a``."""
+    """(Cap_E, Cap_P, Cap_D) of allocation ``a``.
+
+    An all-local allocation (prefill replicas 0) has Cap_P = n_L·α·C_P from local prefill alone;
+    its prefill TP is the space's smallest feasible TP, the C_P that α is measured against.
+    """
     c_p = caps.c_p[a.prefill_tp]
     cap_e = a.encode * caps.c_e
     cap_p = a.prefill * c_p + n_local(a, local_prefill, local_tp) * caps.alpha * c_p
@@ -355,12 +359,15 @@ def seed_range(
 
     B_max is clipped to the space's ``max_batch``. The seed B is min(B_max, B_sat): larger
     batches than the encoder's saturation point buy no throughput. The s window [s*−0.2, s*+0.2]
-    is clipped to [0, 1] and to grid values; the seed s is the grid value nearest s*.
+    is clipped to [0, 1] and to grid values; the seed s is the grid value nearest s*. An
+    allocation the space gives one s only (1.0 without local prefill, 0.0 when all-local) gets
+    that s: a window around s* could hold values the space (and the spec) refuse.
     """
     bm = min(b_max(rate, a.encode), space.max_batch)
     b_seed = max(1, min(bm, caps.b_sat))
-    if space.n_local(a) == 0:
-        return SeedRange(a, bm, b_seed, 1.0, 1.0, 1.0, 1.0)
+    only = space.s_values(a)
+    if len(only) == 1:
+        return SeedRange(a, bm, b_seed, only[0], only[0], only[0], only[0])
     st = s_star(a, caps, True, space.local_tp)
     grid = s_grid(space.s_step, max(0.0, st - window), min(1.0, st + window))
     if not grid:  # window narrower than a grid step: take the nearest grid value
