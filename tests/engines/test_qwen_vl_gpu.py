@@ -1,0 +1,93 @@
+"""Qwen2.5-VL on a CUDA GPU: the decode step's CUDA graph carries each row's M-RoPE position.
+
+On the CPU the decode step runs eagerly (tests/engines/test_torch_epd.py); on a GPU it replays a
+graph captured per (batch, K/V length) bucket, whose rotary positions are a static tensor filled
+before each replay. Here two requests with different images (so different deltas) decode in one
+batch of graph replays, and each equals transformers' own ``generate`` on the same device.
+Skipped without a CUDA GPU (run on the device machine: ``pytest -m gpu tests/engines``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import io
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda unavailable)"),
+]
+
+STEPS = 12
+
+
+def _image(seed: int, h: int, w: int) -> tuple[Any, bytes]:
+    from PIL import Image
+
+    img = Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return img, buf.getvalue()
+
+
+def test_qwen_vl_graph_decode_of_two_deltas_equals_generate(model_dirs: dict[str, Path]) -> None:
+    import torch
+    import transformers
+    from easerve_runtime.engines.base import DecodeSequence, EncodeInput, MediaPart, PrefillInput, Sampling
+    from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
+    from easerve_runtime.models.loading import load_processor
+
+    d = model_dirs["qwen2.5-vl"]
+    dev, dt = "cuda", torch.float32
+    enc = HFEncodeEngine(d, device=dev, dtype=dt)
+    pre = HFPrefillEngine(d, device=dev, dtype=dt)
+    dec = HFDecodeEngine(d, device=dev, dtype=dt, max_slots=4, max_len=512, cuda_graphs=True)
+    msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},)
+    imgs = [_image(1, 120, 200), _image(2, 200, 90)]
+    embs = enc._encode_sync([EncodeInput(f"q{i}", (MediaPart("image", data, "image/png"),), i, msgs)
+                             for i, (_, data) in enumerate(imgs)])
+    seqs = []
+    for e in embs:
+        rows = np.frombuffer(bytes(e.data), dtype=np.float32).reshape(e.shape)
+        out = pre.prefill_one(PrefillInput(e.request_id, 1, e.tokens, embedding=rows, extra=dict(e.extra),
+                                           sampling=Sampling(0.0)))
+        kv = out.kv if out.kv is not None else out.pack_kv()  # type: ignore[misc]
+        seqs.append(DecodeSequence(e.request_id, len(e.extra["input_ids"]), STEPS, generated=[out.first_token],
+                                   kv=kv, kv_meta=out.kv_meta))
+    deltas = [s.kv_meta["rope_delta"] for s in seqs]
+    assert deltas[0] != deltas[1]  # the rows' rotary offsets differ within one replayed step
+
+    async def run() -> None:
+        for s in seqs:
+            await dec.admit(s)
+        for _ in range(STEPS - 1):
+            for s, t in zip(seqs, await dec.decode_step(seqs), strict=True):
+                s.generated.append(t)
+
+    asyncio.run(run())
+    assert dec.cuda_graphs and dec.stats["captures"] >= 1  # the steps replayed a captured graph
+
+    proc = load_processor(d)
+    cls = getattr(transformers, transformers.AutoConfig.from_pretrained(d).architectures[0])
+    model = cls.from_pretrained(d, dtype=dt).to(dev).eval()
+    for s, (img, _) in zip(seqs, imgs, strict=True):
+        inp = proc(images=[img], text=[proc.apply_chat_template(list(msgs), add_generation_prompt=True,
+                                                                tokenize=False)], return_tensors="pt").to(dev)
+        with torch.inference_mode():
+            ref = model.generate(**inp, max_new_tokens=STEPS, do_sample=False)[0, inp["input_ids"].shape[1]:]
+        want = ref.tolist()  # generate stops at the end-of-sequence token; decode runs on to max_tokens
+        assert len(want) >= 2 and s.generated[: len(want)] == want, f"{s.request_id}: {s.generated} != {want}"
