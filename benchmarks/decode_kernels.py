@@ -334,8 +334,11 @@ def _ours_batch(args: argparse.Namespace, eng: Any, kv_len: int, b: int, r: Save
         if (eng._bucket(b), kv_len) not in eng._graphs:
             raise RuntimeError(f"no graph captured for b{b} (engine graphs: {eng.cuda_graphs})")
         g, st = eng._graphs[(eng._bucket(b), kv_len)]
-        st["ids"][:b] = ids
-        st["pos"][:b] = pos
+        with torch.inference_mode():  # the engine made its static buffers under inference mode
+            st["ids"][:b] = ids
+            st["pos"][:b] = pos
+            if "rope" in st:
+                st["rope"][:b] = pos
         return g.replay
 
     res, table = measure(f"ours b{b}", replay(), args, eager=eager)
