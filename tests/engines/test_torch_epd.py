@@ -311,6 +311,32 @@ def test_chunked_encode_equals_one_pass(engines: dict[str, Any]) -> None:
         np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
 
 
+def test_a_graph_captures_warm_up_leaves_running_rows_caches_alone(llava: Path) -> None:
+    """A CUDA graph's warm-up and capture steps really run over slots 0..b-1, where sequences are
+    running, with the static inputs ``capture_inputs`` gives. Those must write only where no
+    running row has attended yet, or every capture mid-serving corrupts the running caches (the
+    static position used to be 0: each running sequence's first cached token). Checked on the
+    CPU by running the step a capture runs; the GPU test replays real graphs."""
+    import torch
+    from easerve_runtime.engines import hf
+    from easerve_runtime.engines.hf import HFDecodeEngine
+
+    eng = HFDecodeEngine(llava, max_slots=4, max_len=256, stage_buffers=0, cuda_graphs=False)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        eng.K.normal_()
+        eng.V.normal_()
+    lengths = [5, 140, 77]  # the rows' next positions; they have attended 0..length-1
+    kv_len = hf.kv_bucket(max(lengths) + 1, eng.max_len)
+    before = [(eng.K[:, r, :, :n].clone(), eng.V[:, r, :, :n].clone()) for r, n in enumerate(lengths)]
+    st = eng.capture_inputs(4, kv_len)
+    with torch.inference_mode():
+        eng._forward(st["ids"], st["pos"], 4, kv_len)
+    for r, n in enumerate(lengths):
+        assert torch.equal(eng.K[:, r, :, :n], before[r][0]) and torch.equal(eng.V[:, r, :, :n], before[r][1]), r
+    assert int(st["pos"].min()) >= max(lengths)
+
+
 # -- Qwen2.5-VL: M-RoPE positions carried through the handoff ------------------------------------
 @pytest.fixture(scope="module")
 def qwen(model_dirs: dict[str, Path]) -> Path:

@@ -834,8 +834,7 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1))
-    fold = groups > 1 or _decode_kernel == "flash-varlen"  # a group of 1 still needs flash's per-row lengths
-    if query.shape[2] != 1 or not fold or attention_mask is None or dropout:
+    if query.shape[2] != 1 or groups == 1 or attention_mask is None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     n, heads, _, d = query.shape
@@ -845,7 +844,7 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     return out.reshape(n, heads, 1, d).transpose(1, 2).contiguous(), None
 
 
-DECODE_ATTENTION_KERNELS = ("sdpa", "math", "sdpa-efficient", "sdpa-cudnn", "flash-varlen")
+DECODE_ATTENTION_KERNELS = ("sdpa", "math", "sdpa-efficient", "sdpa-cudnn")
 _decode_kernel = os.environ.get("EASERVE_DECODE_ATTN", "sdpa")
 
 
@@ -853,8 +852,7 @@ def set_decode_attention_kernel(name: str) -> None:
     """Which kernel the folded decode attention runs (benchmarks compare them; CUDA graphs captured
     before a change keep the kernel they were captured with): ``sdpa`` (torch picks), ``math``
     (two batched matmuls and a float32 softmax), ``sdpa-efficient`` / ``sdpa-cudnn`` (one SDPA
-    backend forced), ``flash-varlen`` (flash attention over per-row lengths, no mask: see
-    ``_varlen_flash``; CUDA and fp16/bf16 only, else ``sdpa``). All compute the same attention."""
+    backend forced). All compute the same attention."""
     global _decode_kernel
     if name not in DECODE_ATTENTION_KERNELS:
         raise ValueError(f"decode attention kernel {name!r}: one of {', '.join(DECODE_ATTENTION_KERNELS)}")
@@ -867,10 +865,6 @@ def _folded_attention(q: Any, key: Any, value: Any, mask: Any, scaling: float | 
     import torch
 
     f = torch.nn.functional
-    if _decode_kernel == "flash-varlen" and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        out = _varlen_flash(q, key, value, mask, scaling)
-        if out is not None:
-            return out
     if _decode_kernel == "math":
         scale = scaling if scaling is not None else q.shape[-1] ** -0.5
         scores = torch.matmul(q, key.transpose(-1, -2)).float() * scale
@@ -883,46 +877,6 @@ def _folded_attention(q: Any, key: Any, value: Any, mask: Any, scaling: float | 
         with sdpa_kernel([backend]):
             return f.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
     return f.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)
-
-
-_VARLEN: dict[str, Any] = {}
-"""The step's per-row K lengths and offsets, made once per step from its mask (every layer gets the
-same mask object) and reused by the other layers: a few kernels per step, not per layer."""
-
-
-def _varlen_flash(q: Any, key: Any, value: Any, mask: Any, scaling: float | None) -> Any:
-    """Flash attention of one query token per row over each row's own prefix, without a mask.
-
-    Why: with a dense mask (what a step over mixed lengths needs for SDPA) torch can only pick
-    the memory-efficient or math kernels, and a step measured 1.2-1.4x the reference on the H200;
-    the reference's unmasked GQA step (cuDNN/flash) reproduced the documented figures exactly
-    (``benchmarks/decode_kernels.py``). Flash's variable-length form takes per-sequence key
-    lengths (``seqused_k``) instead of a mask. The slot layout ``[slots, kv_heads, max_len, d]``
-    keeps each (slot, KV head) block contiguous, so each block is one variable-length "sequence"
-    whose query rows are that head's group of query heads (the GQA fold): no copy, no layout
-    change. Returns None when the K/V views do not have the slot layout (the caller falls back)."""
-    import torch
-
-    n, hk, g, d = q.shape
-    L = key.shape[2]
-    lmax = key.stride(1) // d if d else 0
-    for t in (key, value):
-        if t.stride() != (hk * lmax * d, lmax * d, d, 1):
-            return None
-    if _VARLEN.get("mask") is not mask:
-        seqs = n * hk
-        lens = mask.reshape(n, -1).sum(-1, dtype=torch.int32)
-        ar = torch.arange(seqs + 1, device=q.device, dtype=torch.int32)
-        _VARLEN.clear()
-        _VARLEN.update(mask=mask, used=lens.repeat_interleave(hk), cu_q=ar * g, cu_k=ar * lmax)
-    v = _VARLEN
-    kf = key.as_strided((n * hk * lmax, 1, d), (d, d, 1), key.storage_offset())
-    vf = value.as_strided((n * hk * lmax, 1, d), (d, d, 1), value.storage_offset())
-    out = torch.ops.aten._flash_attention_forward(
-        q.reshape(n * hk * g, 1, d), kf, vf, v["cu_q"], v["cu_k"], g, L, 0.0, False, False,
-        scale=scaling, seqused_k=v["used"],
-    )[0]
-    return out.reshape(n, hk, g, d)
 
 
 def _register_slot_attention() -> None:
@@ -1280,6 +1234,20 @@ class HFDecodeEngine(_Stage):
         g.replay()
         return st["out"][:n]
 
+    def capture_inputs(self, b: int, kv_len: int) -> dict[str, Any]:
+        """The static ids and positions a graph of bucket ``(b, kv_len)`` is warmed up and captured with.
+
+        The warm-up and capture steps really run, so they write K/V for every row at its static
+        position in slots 0..b-1, and running sequences occupy the first of those slots. The
+        position is therefore ``kv_len - 1``: at or past every running row's length (the bucket
+        covers the longest row + 1), where a row writes its own K/V before it ever attends it.
+        Position 0 (as before) overwrote each running sequence's first cached token whenever a
+        new bucket was captured mid-serving (found by the GPU graph-vs-eager test)."""
+        import torch
+
+        return {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
+                "pos": torch.full((b,), kv_len - 1, dtype=torch.long, device=self.device)}
+
     def _capture(self, b: int, kv_len: int) -> None:
         """Capture the step over slots 0..b-1 with static ids/positions (warm-up on a side stream first)."""
         import time
@@ -1287,8 +1255,7 @@ class HFDecodeEngine(_Stage):
         import torch
 
         t0 = time.perf_counter()
-        st = {"ids": torch.zeros(b, dtype=torch.long, device=self.device),
-              "pos": torch.zeros(b, dtype=torch.long, device=self.device)}
+        st = self.capture_inputs(b, kv_len)
         if self.mrope:  # a rotary position of its own per row (slot position + the request's delta)
             st["rope"] = torch.zeros(b, dtype=torch.long, device=self.device)
         s = torch.cuda.Stream()

@@ -1,0 +1,53 @@
+"""On a CUDA GPU, a decode step replayed from a CUDA graph equals the eager step (skipped without CUDA).
+
+A graph is captured on first use of a (batch, K/V length) bucket, usually while sequences are
+running, and its warm-up and capture steps really run: they must not touch the running rows'
+caches. Rows of very different lengths share the step. Run on the device machine:
+``pytest -m gpu tests/engines``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+
+def _has_cuda() -> bool:
+    if importlib.util.find_spec("torch") is None:
+        return False
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda unavailable)"),
+]
+
+
+@pytest.mark.parametrize("arch", ["llava-next", "qwen2-audio"])
+def test_graph_replay_equals_the_eager_step_over_running_rows(model_dirs: dict[str, Path], arch: str) -> None:
+    import torch
+    from easerve_runtime.engines import hf
+    from easerve_runtime.engines.hf import HFDecodeEngine
+
+    eng = HFDecodeEngine(model_dirs[arch], device="cuda", dtype=torch.float32, max_slots=4, max_len=1024,
+                         stage_buffers=0, cuda_graphs=True)
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        eng.K.normal_()
+        eng.V.normal_()
+    lengths = [5, 300, 77]  # three running rows in a bucket of 4: one padding row
+    ids = torch.arange(3, 6, device="cuda")
+    pos = torch.tensor(lengths, device="cuda")
+    kv_len = hf.kv_bucket(max(lengths) + 1, eng.max_len)
+    with torch.inference_mode():
+        eager = eng._forward(ids, pos, 3, kv_len).clone()
+        graph = eng._graph_logits(ids, pos, 3, kv_len).clone()  # captures the bucket first
+        again = eng._graph_logits(ids, pos, 3, kv_len).clone()
+    assert eng.stats["captures"] == 1
+    assert torch.allclose(graph, eager, atol=1e-4, rtol=1e-4), (graph - eager).abs().max()
+    assert torch.equal(graph, again)
