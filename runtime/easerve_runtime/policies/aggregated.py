@@ -180,6 +180,10 @@ class AggregatedPlanner(Generic[T]):
                     e.left = e.tokens - done
                 return
 
+    def queued(self) -> list[T]:
+        """Requests waiting or partly prefilled, in order."""
+        return [e.item for e in self._waiting]
+
     @property
     def waiting(self) -> int:
         """Requests not admitted yet."""
