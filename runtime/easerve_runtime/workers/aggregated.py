@@ -24,13 +24,19 @@ iteration's prompts within the token budget, a longer prompt alone (docs/engine.
 The worker serves the encode component's endpoint and streams what an encode worker streams
 (``{"token"}`` items, then ``{"done", "route": "aggregated", "prompt_tokens", "finish_reason"}``),
 so the frontend talks to it unchanged.
+
+``$EASERVE_DECODE_STATS`` (a directory): like a decode worker, the worker writes
+``decode-<pid>.json`` there (the loop's time per phase and the decode engine's counters).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
+import os
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
@@ -46,6 +52,7 @@ from easerve_runtime.engines.base import (
 )
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.aggregated import AggregatedPlanner, Iteration
+from easerve_runtime.workers.decode import STATS_ENV, STATS_EVERY_S
 from easerve_runtime.workers.dynamo_rt import on_context_stop
 from easerve_runtime.workers.encode import embedding_array
 from easerve_runtime.workers.wire import part_from_wire, request_meta
@@ -105,6 +112,13 @@ class AggregatedWorker:
         self._arrival = asyncio.Event()
         self.iterations = 0
         self.max_batch = 0
+        self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
+                                             "loop_s": 0.0, "admitted": 0, "encode_s": 0.0, "prefill_s": 0.0,
+                                             "decode_s": 0.0}
+        """Cumulative: ``step_s`` whole iterations, ``admit_s`` joining decode slots, per phase the rest."""
+        d = os.environ.get(STATS_ENV)
+        self._stats_path = os.path.join(d, f"decode-{os.getpid()}.json") if d else None
+        self._stats_at = 0.0
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, engines: tuple[Any, Any, Any], metrics: Metrics) -> AggregatedWorker:
@@ -193,16 +207,42 @@ class AggregatedWorker:
 
     # -- the engine loop -----------------------------------------------------------------------
     async def run(self) -> None:
+        ls = self.loop_stats
+        clock = time.perf_counter
+        t_loop = clock()
         while True:
+            t0 = clock()
+            ls["loop_s"] += t0 - t_loop
+            t_loop = t0
             self._reap()
             it = self.planner.plan()
             if it.empty:
                 self._gauges()
+                self._write_stats(t0, force=True)
                 self._arrival.clear()
                 await self._arrival.wait()
+                ls["idle_s"] += clock() - t0
                 continue
             self._gauges()
             await self._iteration(it)
+            t1 = clock()
+            ls["step_s"] += t1 - t0
+            self._write_stats(t1)
+
+    def _write_stats(self, now: float, force: bool = False) -> None:
+        if self._stats_path is None or (not force and now - self._stats_at < STATS_EVERY_S):
+            return
+        self._stats_at = now
+        doc = {"t": time.time(), "running": len(self._running), "waiting": self.planner.waiting,
+               "loop": dict(self.loop_stats), "engine": getattr(self.decoder, "stats", None)}
+        try:
+            tmp = self._stats_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(doc, f)
+            os.replace(tmp, self._stats_path)
+        except (OSError, TypeError, ValueError) as exc:  # statistics never stop serving
+            log.warning("aggregated stats not written: %s", exc)
+            self._stats_path = None
 
     def _reap(self) -> None:
         """Requests whose caller went away: out of the queue, or out of the decode batch."""
@@ -237,16 +277,27 @@ class AggregatedWorker:
         self.iterations += 1
         running = list(self._running)
         assert len(running) == it.decodes, (len(running), it.decodes)
+        ls, clock = self.loop_stats, time.perf_counter
+        ls["iterations"] += 1
         planned = [c.item for c in it.chunks]
         new = [c.item for c in it.chunks if c.first]
+        t0 = clock()
         if new and not await self._encode(new):
             planned = [r for r in planned if r not in new]
             it = Iteration([c for c in it.chunks if c.item in planned], it.tokens, it.decodes)
+        t1 = clock()
         joining = await self._prefill(it) if it.chunks else []
+        t2 = clock()
         if running:
             await self._decode(running)
+        t3 = clock()
         for r in joining:
             await self._join(r)
+        ls["admitted"] += len(joining)
+        ls["encode_s"] += t1 - t0
+        ls["prefill_s"] += t2 - t1
+        ls["decode_s"] += t3 - t2
+        ls["admit_s"] += clock() - t3
         self._gauges()
 
     async def _encode(self, new: list[_Req]) -> bool:
