@@ -467,7 +467,7 @@ class PodOverrides(Model):
 
 
 class AggregatedSpec(Model):
-    """``spec.mode: aggregated``: the vLLM-style baseline on the same engine (docs/engine.md)."""
+    """The aggregated engines (spec.mode aggregated): the vLLM-style baseline on the same engine (docs/engine.md)."""
 
     token_budget: int = Field(
         default=2048,
