@@ -16,6 +16,12 @@ Systems (``--systems``), on the same GPUs and the same engine:
 - ``dynamo-style``: what Dynamo's EPD example does: pass-through encode (batch 1, dispatched at
   once, image decode and processor on the CPU: ``EASERVE_GPU_DECODE=0``), every prefill remote
   (s = 1), one decode worker. Allocation E1 P1 D1.
+- ``aggregated``: the vLLM-style baseline on the same engine (``spec.mode: aggregated``): one engine
+  per GPU doing encode, prefill and decode in one loop with continuous batching, iterations within
+  a token budget (``--token-budget``, default 2048). The torch engine prefills whole prompts (no
+  chunking: docs/engine.md), and runs the prefill and the decode step as two forwards per iteration.
+  As many engines as the easerve system's allocation places on this host's GPUs
+  (``--aggregated-gpus`` overrides): one on a one-GPU host.
 
 The topology's GPUs are placed on the host's GPUs in order and wrap when the host has fewer
 (``easerve serve`` sets ``CUDA_VISIBLE_DEVICES`` per process): on one H200 every process of a
@@ -69,6 +75,7 @@ SYSTEMS: dict[str, dict[str, Any]] = {
         "smPartition": {"mode": "none"},
         "env": {"EASERVE_GPU_DECODE": "0"},
     },
+    "aggregated": {"mode": "aggregated", "env": {}},
 }
 
 
@@ -76,11 +83,29 @@ def log(msg: str) -> None:
     print(f"[gpu_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float) -> dict[str, Any]:
+def aggregated_gpus(host_gpus: int) -> int:
+    """The GPUs the easerve system's allocation spans on this host (its GPUs wrap on a smaller host)."""
+    easerve = sum(v["replicas"] for v in SYSTEMS["easerve"]["allocation"].values())
+    return max(1, min(easerve, host_gpus))
+
+
+def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float, token_budget: int = 2048,
+             gpus: int = 1) -> dict[str, Any]:
     s = SYSTEMS[system]
     tiers = [
         {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
     ]
+    if s.get("mode") == "aggregated":  # no E/P/D knobs: the aggregated mode refuses them
+        placement: dict[str, Any] = {"mode": "aggregated", "aggregated": {"tokenBudget": token_budget},
+                                     "gpuBudget": gpus}
+    else:
+        placement = {
+            "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
+            "allocation": s["allocation"],
+            "encode": s["encode"],
+            "offload": s["offload"],
+            "smPartition": s["smPartition"],
+        }
     return {
         "apiVersion": "easerve.io/v1alpha1",
         "kind": "EPDDeployment",
@@ -95,11 +120,7 @@ def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float)
             },
             "engine": {"backend": "torch", "profile": "llava-v1.6-34b@h200"},
             "decode": {"kvMemoryFraction": kv_fraction},
-            "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
-            "allocation": s["allocation"],
-            "encode": s["encode"],
-            "offload": s["offload"],
-            "smPartition": s["smPartition"],
+            **placement,
             "slo": {"objective": "moderate", "tiers": tiers},
             "discovery": {"backend": "file"},
         },
@@ -211,6 +232,9 @@ def decode_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
         "captures": int(d("engine", "captures")),
         "capture_s": round(d("engine", "capture_s"), 2),
     }
+    for phase in ("encode", "prefill", "decode"):  # the aggregated worker's iteration, per phase
+        if f"{phase}_s" in after["loop"]:
+            out[f"loop_{phase}_ms_per_iteration"] = round(1e3 * d("loop", f"{phase}_s") / iters, 2)
     for h in ("kv_len", "batch_bucket"):
         a, b = after["engine"].get(h, {}), before["engine"].get(h, {})
         out[h] = {k: v - b.get(k, 0) for k, v in sorted(a.items(), key=lambda kv: int(kv[0])) if v - b.get(k, 0)}
@@ -275,7 +299,8 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         rates = [r for r in args.rates if r not in done]
         if not rates:
             continue
-        doc = spec_doc(system, d, args.slo_scale, args.kv_fraction)
+        gpus = args.aggregated_gpus or aggregated_gpus(int(result.get("host_gpus") or 0))
+        doc = spec_doc(system, d, args.slo_scale, args.kv_fraction, args.token_budget, gpus)
         runs["spec"] = doc["spec"]
         spec_path = out / system / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
@@ -387,13 +412,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output directory (on the GPU machine: $OUT)")
-    p.add_argument("--systems", default="easerve,dynamo-style")
+    p.add_argument("--systems", default="easerve,dynamo-style", help="comma list of easerve, dynamo-style, aggregated")
     p.add_argument("--rates", default="1,2,4,6", type=lambda s: [float(x) for x in s.split(",")])
     p.add_argument("--requests", type=int, default=60, help="requests per rate point")
     p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="tiny: CPU smoke of the harness")
     p.add_argument("--slo-scale", type=float, default=4.0)
     p.add_argument("--kv-fraction", type=float, default=0.45, help="spec.decode.kvMemoryFraction")
     p.add_argument("--max-len", type=int, default=4096)
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="aggregated: tokens per engine iteration, decode included (vLLM's max_num_batched_tokens)")
+    p.add_argument("--aggregated-gpus", type=int, default=0,
+                   help="aggregated: GPUs, one engine each (default: as many as the easerve system spans here)")
     p.add_argument("--start-timeout", type=float, default=400)
     p.add_argument("--budget-s", type=float, default=560, help="stop starting new points after this")
     p.add_argument("--mps", action="store_true", help="run the systems under an MPS daemon (one shared GPU)")

@@ -211,6 +211,8 @@ def plan(spec: EPDDeploymentSpec, hardware: Hardware | None = None) -> Topology:
     hw = hardware if hardware is not None else hardware_for(spec)
     if spec.mode == DeploymentMode.OMNI_COLOCATED:
         return _plan_omni(spec, hw)
+    if spec.mode == DeploymentMode.AGGREGATED:
+        return _plan_aggregated(spec)
     return _plan_disaggregated(spec, hw)
 
 
@@ -241,18 +243,7 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
 
     # encode pod: frontend, k encode workers (one GPU each), and with local prefill one local
     # prefill worker of TP k sharing those GPUs plus one partition controller per GPU
-    procs: list[Process] = [
-        Process(
-            "frontend",
-            Stage.FRONTEND,
-            _worker_argv(Stage.FRONTEND),
-            ports=(Port("http", HTTP_PORT),),
-            system_port=SYSTEM_PORT + 1,
-            http_port=HTTP_PORT,
-            probe="http",
-            policies=("picker:least-outstanding",),
-        )
-    ]
+    procs: list[Process] = [_frontend()]
     # system ports: 9090 encode-0 (the Service's), 9091 frontend, 9092 local prefill, 9093.. encode-1..
     routes = ("router:deficit", "envelope") if colocated else ("envelope",)
     for i in range(k):
@@ -347,6 +338,43 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
     prefill = single(Stage.PREFILL, a.prefill.tensor_parallel, ("batcher:prefill-tokens",), a.prefill.replicas)
     decode = single(Stage.DECODE, a.decode.tensor_parallel, ("admission:decode",), a.decode.replicas)
     return Topology(DeploymentMode.DISAGGREGATED, (encode, prefill, decode), local_prefill_tp=k)
+
+
+def _frontend() -> Process:
+    return Process(
+        "frontend",
+        Stage.FRONTEND,
+        _worker_argv(Stage.FRONTEND),
+        ports=(Port("http", HTTP_PORT),),
+        system_port=SYSTEM_PORT + 1,
+        http_port=HTTP_PORT,
+        probe="http",
+        policies=("picker:least-outstanding",),
+    )
+
+
+def _plan_aggregated(spec: EPDDeploymentSpec) -> Topology:
+    """The vLLM-style baseline: one pod per ``spec.aggregated.tensorParallel`` GPUs, each a frontend
+    and one aggregated worker (encode, prefill and decode in one engine loop) owning those GPUs.
+    The worker serves the encode component's endpoint, so every frontend reaches every worker."""
+    agg = spec.aggregated_engine
+    tp = agg.tensor_parallel
+    system = Port("system", SYSTEM_PORT)
+    worker = Process(
+        "aggregated",
+        Stage.AGGREGATED,
+        _worker_argv(Stage.AGGREGATED),
+        gpus=tp,
+        owns=tuple(range(tp)),
+        tp=tp,
+        ports=(system,),
+        system_port=SYSTEM_PORT,
+        probe="system",
+        policies=("planner:aggregated",),
+    )
+    pod = Pod(Stage.AGGREGATED, agg.replicas(spec.gpu_budget), (_frontend(), worker),
+              (Port("http", HTTP_PORT), system), SYSTEM_PORT)
+    return Topology(DeploymentMode.AGGREGATED, (pod,))
 
 
 def _plan_omni(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:

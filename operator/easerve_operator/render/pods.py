@@ -1,11 +1,11 @@
-"""Pods from the topology: ONE set of helpers for every mode (disaggregated and omni-colocated).
+"""Pods from the topology: ONE set of helpers for every mode (disaggregated, aggregated, omni-colocated).
 
 ``easerve_runtime.topology.plan`` decides what runs where (pods, processes, GPU ownership and
 sharing, ports, argv); these helpers only spell each ``Pod`` as a Deployment and Service and
 each ``Process`` as a container: labels, environment, probes, volumes, resources and scheduling
 fields come from here for every container of every mode, so they cannot drift apart.
 
-Mode-specific on purpose: only disaggregated processes get Dynamo's environment (the
+Mode-specific on purpose: only Dynamo processes (disaggregated, aggregated) get Dynamo's environment (the
 omni-colocated runtime does not use Dynamo). Pure: dicts in, dicts out.
 """
 
@@ -45,9 +45,9 @@ def _downward(field: str) -> dict[str, Any]:
 
 
 def container_env(config: RuntimeConfig, proc: Process) -> list[dict[str, Any]]:
-    """Dynamo's variables (disaggregated mode), the downward API, the process's own, the user's."""
+    """Dynamo's variables (disaggregated and aggregated modes), the downward API, the process's own, the user's."""
     spec = config.spec
-    dynamo = spec.mode == DeploymentMode.DISAGGREGATED
+    dynamo = spec.mode != DeploymentMode.OMNI_COLOCATED  # disaggregated and aggregated run over Dynamo
     env: list[dict[str, Any]] = []
     if dynamo:
         env += [

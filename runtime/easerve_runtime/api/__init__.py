@@ -43,6 +43,7 @@ from easerve_runtime.api.runtime_config import (
 )
 from easerve_runtime.api.spec import (
     AdaptSpec,
+    AggregatedSpec,
     Allocation,
     AuthSpec,
     Backend,
@@ -95,6 +96,7 @@ from easerve_runtime.api.status import (
 __all__ = [
     "ANNOTATION_CONFIG_HASH",
     "API_VERSION",
+    "AggregatedSpec",
     "Allocation",
     "AuthSpec",
     "Backend",

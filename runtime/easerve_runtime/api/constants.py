@@ -30,6 +30,8 @@ class Stage(StrEnum):
     """The omni-colocated pod (its Deployment's stage label); its processes are the two below."""
     OMNI_SHARED = "omni-shared"
     OMNI_DOWNSTREAM = "omni-downstream"
+    AGGREGATED = "aggregated"
+    """``spec.mode: aggregated``: one process doing encode, prefill and decode (its pod's label too)."""
 
 
 # Label and annotation keys

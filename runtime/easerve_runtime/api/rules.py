@@ -82,6 +82,10 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
         return errs
     if spec.omni is not None:
         errs.append(SpecError("spec.omni", "is only valid when spec.mode is omni-colocated"))
+    if spec.mode == DeploymentMode.AGGREGATED:
+        return errs + aggregated_errors(spec) + engine_errors(spec)
+    if spec.aggregated is not None:
+        errs.append(SpecError("spec.aggregated", "is only valid when spec.mode is aggregated"))
     if a.encode.tensor_parallel != 1:
         errs.append(SpecError("spec.allocation.encode.tensorParallel", "encode workers use one GPU each (must be 1)"))
     if a.decode.replicas < 1:
@@ -114,6 +118,46 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
             )
         )
     return errs + _static_errors(spec) + engine_errors(spec)
+
+
+AGGREGATED_IGNORES = {
+    "allocation": "spec.allocation",
+    "offload": "spec.offload",
+    "sm_partition": "spec.smPartition",
+    "encode": "spec.encode",
+    "prefill": "spec.prefill",
+}
+"""Sections of the disaggregated pipeline that an aggregated deployment has no use for."""
+
+
+def aggregated_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    """``spec.mode: aggregated``: one engine per ``spec.aggregated.tensorParallel`` GPUs. The E/P/D
+    sections would be silently ignored, so a value other than their default is refused, naming it
+    (``spec.decode`` applies: the aggregated worker admits by its maxSequences and kvMemoryFraction)."""
+    errs: list[SpecError] = []
+    for attr, path in AGGREGATED_IGNORES.items():
+        value = getattr(spec, attr)
+        if value != type(value)():
+            hint = " (the token budget is spec.aggregated.tokenBudget)" if attr == "prefill" else ""
+            errs.append(
+                SpecError(path, f"does not apply when spec.mode is aggregated{hint}: remove it or use another mode")
+            )
+    if spec.tuning.enabled:
+        errs.append(SpecError("spec.tuning.enabled", "HAS tunes the disaggregated pipeline; not in aggregated mode"))
+    agg = spec.aggregated_engine
+    tp = agg.tensor_parallel
+    if spec.gpu_budget % tp:
+        errs.append(
+            SpecError("spec.gpuBudget", f"({spec.gpu_budget}) must be a multiple of spec.aggregated.tensorParallel ({tp})")
+        )
+    if spec.engine.backend == Backend.TORCH and tp != 1:
+        errs.append(
+            SpecError(
+                "spec.aggregated.tensorParallel",
+                f"is {tp}, but the torch engine runs TP 1 per worker (tensor parallel is not built yet)",
+            )
+        )
+    return errs
 
 
 def _static_errors(spec: EPDDeploymentSpec) -> list[SpecError]:

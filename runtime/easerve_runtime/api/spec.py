@@ -87,6 +87,7 @@ class TrialBackend(StrEnum):
 class DeploymentMode(StrEnum):
     DISAGGREGATED = "disaggregated"
     OMNI_COLOCATED = "omni-colocated"
+    AGGREGATED = "aggregated"
 
 
 class OutputModality(StrEnum):
@@ -465,6 +466,24 @@ class PodOverrides(Model):
     env: list[EnvVar] | None = Field(default=None, description="Extra environment for every container.")
 
 
+class AggregatedSpec(Model):
+    """The aggregated engines (spec.mode aggregated): the vLLM-style baseline on the same engine (docs/engine.md)."""
+
+    token_budget: int = Field(
+        default=2048,
+        ge=1,
+        le=1_048_576,
+        description="Most tokens of one engine iteration, decode tokens included (vLLM's "
+        "max_num_batched_tokens): prefill fills what the running sequences leave.",
+    )
+    tensor_parallel: Literal[1, 2, 4, 8] = Field(
+        default=1, description="GPUs per aggregated worker; spec.gpuBudget / this workers run (torch: 1)."
+    )
+
+    def replicas(self, gpu_budget: int) -> int:
+        return gpu_budget // self.tensor_parallel
+
+
 class OmniClass(Model):
     name: Name = Field(description="Class name, e.g. text, speech, image.")
     output: OutputModality = Field(description="Output modality: text, audio or image.")
@@ -490,7 +509,8 @@ class EPDDeploymentSpec(Model):
     gpu_budget: int = Field(ge=1, le=4096, description="Most GPUs this deployment may use.")
     mode: DeploymentMode = Field(
         default=DeploymentMode.DISAGGREGATED,
-        description="disaggregated (E/P/D pools) or omni-colocated (one omni pod per GPU).",
+        description="disaggregated (E/P/D pools), omni-colocated (one omni pod per GPU) or aggregated (one "
+        "engine per spec.aggregated.tensorParallel GPUs doing encode, prefill and decode: the vLLM-style baseline).",
     )
     allocation: Allocation = Field(default_factory=Allocation, description="GPUs across the E/P/D pools.")
     encode: EncodeSpec = Field(default_factory=EncodeSpec, description="The encode micro-batcher.")
@@ -508,6 +528,9 @@ class EPDDeploymentSpec(Model):
     limits: LimitsSpec = Field(default_factory=LimitsSpec, description="Request limits and the admission queue.")
     auth: AuthSpec = Field(default_factory=AuthSpec, description="API-key authentication of the frontend.")
     omni: OmniSpec | None = Field(default=None, description="Omni request classes; only in omni-colocated mode.")
+    aggregated: AggregatedSpec | None = Field(
+        default=None, description="The aggregated engines' token budget and TP; only in aggregated mode."
+    )
 
     @model_validator(mode="after")
     def _cross_field(self) -> EPDDeploymentSpec:
@@ -520,6 +543,11 @@ class EPDDeploymentSpec(Model):
     @property
     def served_model_name(self) -> str:
         return self.model.served_model_name or self.model.name
+
+    @property
+    def aggregated_engine(self) -> AggregatedSpec:
+        """``spec.aggregated``, or its defaults when the aggregated mode leaves it out."""
+        return self.aggregated or AggregatedSpec()
 
     @property
     def has_local_prefill(self) -> bool:

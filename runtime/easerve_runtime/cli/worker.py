@@ -10,7 +10,7 @@ import argparse
 import logging
 import sys
 
-HELP = "Run one EAServe stage process (encode, prefill, decode, local-prefill, frontend, omni-*)."
+HELP = "Run one EAServe stage process (encode, prefill, decode, local-prefill, frontend, aggregated, omni-*)."
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,10 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             "decode",
             "frontend",
             "local-prefill",
+            "aggregated",
             "omni-shared",
             "omni-downstream",
         ],
-        help="Stage to run (omni-* for spec.mode omni-colocated).",
+        help="Stage to run (omni-* for spec.mode omni-colocated, aggregated for spec.mode aggregated).",
     )
     parser.add_argument("--config", required=True, help="RuntimeConfig JSON (the ConfigMap's config.json).")
     parser.add_argument("--host", default="0.0.0.0", help="Frontend bind address (default 0.0.0.0).")

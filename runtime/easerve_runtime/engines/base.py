@@ -134,6 +134,9 @@ class PrefillOutput:
     (blocking; the worker calls it in a thread, AFTER the first token went out). Why: the
     device-to-host copy of a 7B model's 2,900-token cache (~390 MB) took longer than the prefill
     itself, and every request of the batch waited for it before its first token."""
+    kv_local: Any = None
+    """The cache as the engine holds it (a torch tensor, on the device): what a decode engine in
+    the SAME process (the aggregated worker) loads into its slot without any host copy."""
 
     def has_kv(self) -> bool:
         return self.kv is not None or self.pack_kv is not None
@@ -153,6 +156,8 @@ class DecodeSequence:
     kv: bytes | bytearray | memoryview | mmap.mmap | None = None
     """The handed-over cache's bytes (a same-host blob arrives as a private mapping of its file)."""
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
+    kv_local: Any = None
+    """The cache as a prefill engine in this process left it (``PrefillOutput.kv_local``), or None."""
 
     @property
     def stopped(self) -> bool:

@@ -389,12 +389,12 @@ def media_to_messages(messages: Sequence[Mapping[str, Any]], parts: Sequence[Med
 # -- engines ------------------------------------------------------------------------------------
 class _Stage:
     def __init__(self, path: str | Path, stage: str, device: str, dtype: Any, random_weights: bool,
-                 trust_remote_code: bool) -> None:
+                 trust_remote_code: bool, loaded: Any = None) -> None:
         from easerve_runtime.models.loading import load_stage
 
         self.path = str(path)
-        self.loaded = load_stage(path, stage, device=device, dtype=dtype, random_weights=random_weights,
-                                 trust_remote_code=trust_remote_code)
+        self.loaded = loaded if loaded is not None else load_stage(
+            path, stage, device=device, dtype=dtype, random_weights=random_weights, trust_remote_code=trust_remote_code)
         if self.loaded.family not in SERVED_FAMILIES:
             raise ValueError(
                 f"spec.model.path: {path}: {self.loaded.family} loads but is not served yet by the torch engine "
@@ -722,9 +722,14 @@ class HFPrefillEngine(_Stage):
     """
 
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: Any = None, random_weights: bool = False,
-                 trust_remote_code: bool = False, pool: Any = None) -> None:
-        super().__init__(path, "lm", device, dtype, random_weights, trust_remote_code)
+                 trust_remote_code: bool = False, pool: Any = None, share: Any = None) -> None:
+        """``share``: an engine of this process whose language model (weights) this one runs too
+        (the aggregated worker's decode engine), instead of loading another copy."""
+        super().__init__(path, "lm", device, dtype, random_weights, trust_remote_code,
+                         loaded=getattr(share, "loaded", None))
         self.pool = pool
+        self.keep_local = share is not None
+        """Hand the cache over as the device tensor (``PrefillOutput.kv_local``), not as bytes."""
 
     def embed(self, ids: Any, rows: Any) -> Any:
         import torch
@@ -801,6 +806,8 @@ class HFPrefillEngine(_Stage):
             if delta:
                 meta["rope_delta"] = delta
             nbytes = kv.numel() * kv.element_size()
+            if self.keep_local:  # a decode engine of this process takes the device tensor itself
+                return PrefillOutput(r.request_id, token, nbytes, kv_meta=meta, kv_local=kv)
             if self.device.startswith("cuda"):  # the host copy waits for the handoff (deferred_pack)
                 ready = torch.cuda.Event()
                 ready.record()
@@ -1124,7 +1131,7 @@ class HFDecodeEngine(_Stage):
         staged = self._staged.pop(seq.request_id, None)
         buf = None
         try:
-            if staged is None and seq.kv is None:
+            if staged is None and seq.kv is None and seq.kv_local is None:
                 raise ValueError(f"request {seq.request_id}: no KV cache handed over")
             if not self.fits(seq):
                 raise ValueError(
@@ -1140,6 +1147,10 @@ class HFDecodeEngine(_Stage):
                     log.warning("decode: staging a KV cache failed (%r); loading caches at admission", exc)
                     self._staging_failed = True
                 self.stats["admit_wait_s"] += time.perf_counter() - t0
+            if kv is None and seq.kv_local is not None:  # prefilled in this process: already on the device
+                kv = seq.kv_local
+                if kv.device != self.K.device or kv.dtype != self.K.dtype:
+                    kv = kv.to(self.K.device, self.K.dtype)
             if kv is None:  # no buffer was free when it arrived: load it now, off the loop and the step's stream
                 t1 = time.perf_counter()
                 kv = await asyncio.to_thread(self._to_device, seq.kv, seq.kv_meta, None, None)
@@ -1164,7 +1175,7 @@ class HFDecodeEngine(_Stage):
         self.sampling[seq.request_id] = seq.sampling
         if self.mrope:
             self.rope_delta[seq.request_id] = int((seq.kv_meta or {}).get("rope_delta", 0))
-        seq.kv = None  # the slot holds it now
+        seq.kv = seq.kv_local = None  # the slot holds it now
         self.stats["admits"] += 1
         self.stats["admit_s"] += time.perf_counter() - t0
 

@@ -136,7 +136,7 @@ class SimEngine:
 
         profile = spec_profile(spec)
         hw = Hardware(local_prefill_tp=profile.min_tp()) if spec.has_local_prefill else Hardware()
-        topo = plan(spec, hw) if spec.mode == DeploymentMode.DISAGGREGATED else None
+        topo = plan(spec, hw) if spec.mode != DeploymentMode.OMNI_COLOCATED else None
         tps = [p.tp for pod in topo.pods for p in pod.processes if p.stage == stage] if topo else []
         anyres = getattr(profile, "anyres", None)
         return cls(
@@ -187,6 +187,21 @@ class SimEngine:
         return [
             PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
             for r in batch
+        ]
+
+    async def prefill_chunks(
+        self, chunks: Sequence[tuple[PrefillInput, int, int]], sm_share: float = 1.0
+    ) -> list[PrefillOutput | None]:
+        """Chunked prefill (the aggregated worker): ``(request, start, tokens)`` per chunk, charged
+        as one prefill of all their tokens; an output for each chunk that completes its prompt."""
+        tokens = sum(n for _r, _s, n in chunks)
+        if tokens:
+            await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(chunks), **self._tp_kw()), "prefill")
+        return [
+            PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
+            if start + n >= r.prompt_tokens
+            else None
+            for r, start, n in chunks
         ]
 
     # -- DecodeEngine ---------------------------------------------------------------------

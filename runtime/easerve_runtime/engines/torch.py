@@ -74,3 +74,24 @@ def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any 
     if stage == "decode":
         return HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
     raise ValueError(f"no torch engine for stage {stage!r}")
+
+
+def make_aggregated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any, Any]:
+    """The aggregated worker's engines on one device: encoder, then decode (its KV slots are sized
+    from what the encoder's and the language model's weights leave), then prefill running the
+    decode engine's language model (one copy of the weights) and handing its caches over on the
+    device."""
+    from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
+
+    m = spec.model
+    if not m.path:
+        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
+    kw: dict[str, Any] = {
+        "device": pick_device(),
+        "random_weights": m.random_weights,
+        "trust_remote_code": m.trust_remote_code,
+    }
+    enc = HFEncodeEngine(m.path, **kw)
+    dec = HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
+    pre = HFPrefillEngine(m.path, share=dec, **kw)
+    return enc, pre, dec

@@ -30,6 +30,18 @@ def saturation_rps(spec: EPDDeploymentSpec, n: int = 400, seed: int = 0) -> floa
     prompt = statistics.fmean(r.prefill_tokens for r in reqs)
     out_toks = max(1.0, statistics.fmean(r.output_tokens for r in reqs))
     stages: list[float] = []
+    if str(spec.mode) == "aggregated":  # each engine encodes, prefills and decodes its requests itself
+        agg = spec.aggregated_engine
+        tp = agg.tensor_parallel
+        budget = p.kv_budget_bytes(tp)
+        n = int(min(MAX_DECODE_BATCH, budget // max(1, p.kv_bytes(round(prompt + out_toks))))) if budget > 0 else 1
+        ctx = prompt + out_toks / 2.0
+        per_req = (
+            p.encode_s(max(1, round(items))) / tp
+            + p.prefill_s(round(prompt), tp=tp)
+            + out_toks * p.decode_step_s(max(1, n), max(1, n) * ctx, tp=tp) / max(1, n)
+        )
+        return agg.replicas(spec.gpu_budget) / per_req if per_req > 0 else float("inf")
     enc_s = p.encode_s(max(1, round(bb * items)))
     stages.append(a.encode.replicas * bb / enc_s if enc_s > 0 else float("inf"))
     if s > 0:

@@ -14,6 +14,10 @@ Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
 - The vision/audio encoder is sharded over the replica's ``tp`` GPUs (vLLM uses tensor-parallel
   layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
 
+The admission and chunk planning is ``policies.aggregated.AggregatedPlanner``, the same object the
+live aggregated worker (``workers/aggregated.py``, ``spec.mode: aggregated``) runs; only the timing
+is modelled here.
+
 Requests are spread over replicas by fewest outstanding. The best (tp, replicas) layout for the
 GPU budget, and the best token budget (2048 or 8192: small chunks protect TPOT, large ones TTFT),
 are chosen by sweeping (``systems.best_of``), never assumed.
@@ -22,10 +26,10 @@ are chosen by sweeping (``systems.best_of``), never assumed.
 from __future__ import annotations
 
 import heapq
-from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
+from easerve_runtime.policies.aggregated import AggregatedPlanner
 from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
@@ -34,6 +38,9 @@ from easerve_runtime.workload.request import Request
 
 
 class AggregatedReplica:
+    """One aggregated engine in virtual time; its iterations are planned by ``AggregatedPlanner``
+    (``policies.aggregated``), the object the live aggregated worker runs too."""
+
     def __init__(
         self,
         loop: EventLoop,
@@ -46,10 +53,8 @@ class AggregatedReplica:
         self.loop, self.model, self.tp, self.name = loop, model, tp, name
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.kv_capacity = model.kv_capacity_bytes(tp)
-        self.waiting: deque[Job] = deque()
+        self.planner: AggregatedPlanner[Job] = AggregatedPlanner(token_budget, max_seqs, self.kv_capacity)
         self.finishing: list[tuple[int, int, Job]] = []
-        self.running = 0
-        self.reserved = 0.0
         self.ctx_sum = 0
         self.step = 0
         self.stepping = False
@@ -60,54 +65,30 @@ class AggregatedReplica:
         self.items_sum = 0
         self.tokens_sum = 0
         self.decoded = 0
-        self.prefilling = 0  # admitted, prompt not fully prefilled yet
         self._seq = 0
+
+    @property
+    def running(self) -> int:
+        return self.planner.running
 
     def arrive(self, job: Job) -> None:
         self.outstanding += 1
-        self.waiting.append(job)
+        job.kv_need = self.model.kv_bytes(job.tokens + job.req.output_tokens)
+        self.planner.add(job, job.tokens, job.kv_need)
         if not self.stepping:
             self._iterate()
 
     def _iterate(self) -> None:
-        """Plan one engine iteration: decode every running sequence, then prefill chunks FIFO.
-
-        Chunked prefill: a prompt longer than what is left of the token budget is split over
-        iterations (its encode runs with its first chunk); decode never waits for a whole prompt.
-        """
-        w = self.waiting
-        chunks: list[tuple[Job, bool]] = []
-        tokens = 0
-        items = 0
-        n = self.running
-        budget = max(1, self.token_budget - n)
-        while w and tokens < budget:
-            j = w[0]
-            if j.left < 0:  # not admitted yet: sequence cap and KV memory
-                if not j.kv_need:
-                    j.kv_need = self.model.kv_bytes(j.tokens + j.req.output_tokens)
-                alone = n == 0 and not chunks
-                if not alone and (
-                    n + self.prefilling >= self.max_seqs or self.reserved + j.kv_need > self.kv_capacity
-                ):
-                    break
-                self.reserved += j.kv_need
-                self.prefilling += 1
-                j.left = j.tokens
-                items += j.req.encoder_items
-            take = min(j.left, budget - tokens)
-            tokens += take
-            j.left -= take
-            last = j.left == 0
-            if last:
-                w.popleft()
-            chunks.append((j, last))
-            if not last:
-                break
-        if not chunks and n == 0:
+        """Time one engine iteration the planner cut: decode every running sequence, prefill its
+        chunks (a request's encode runs with its first chunk)."""
+        it = self.planner.plan()
+        if it.empty:
             self.stepping = False
             return
         self.stepping = True
+        chunks = [(c.item, c.last) for c in it.chunks]
+        items = sum(c.item.req.encoder_items for c in it.chunks if c.first)
+        tokens, n = it.tokens, it.decodes
         m = self.model
         enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
         if chunks and n:
@@ -136,22 +117,20 @@ class AggregatedReplica:
         for job, last in chunks:
             if not last:
                 continue
-            self.prefilling -= 1
+            decodes = job.req.output_tokens > 1
+            self.planner.prefilled(job.kv_need, decodes)
             job.rec.first_token_s = now
-            if job.req.output_tokens <= 1:
-                self.reserved -= job.kv_need
+            if not decodes:
                 self.outstanding -= 1
                 job.rec.finish_s = now
                 continue
-            self.running += 1
             self.ctx_sum += job.tokens + 1
             self._seq += 1
             heapq.heappush(f, (self.step + job.req.output_tokens - 1, self._seq, job))
         self._iterate()
 
     def _finish(self, job: Job, now: float) -> None:
-        self.running -= 1
-        self.reserved -= job.kv_need
+        self.planner.finish(job.kv_need)
         self.ctx_sum -= job.tokens + job.req.output_tokens
         self.outstanding -= 1
         job.rec.finish_s = now

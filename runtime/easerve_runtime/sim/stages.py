@@ -58,13 +58,12 @@ DEFAULT_SEND_WINDOW: int = EncodeSpec().send_window
 class Job:
     """One request moving through the pipeline, with its record."""
 
-    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "left", "origin", "dest")
+    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "origin", "dest")
 
     def __init__(self, req: Request) -> None:
         self.req = req
         self.tokens = req.prompt_tokens + req.media_tokens
         self.kv_need = 0.0  # KV bytes reserved at full length (set by the decode worker)
-        self.left = -1  # aggregated baseline: prompt tokens still to prefill (-1: not admitted)
         self.rec = RequestRecord(id=req.id, arrival_s=req.arrival_s, output_tokens=req.output_tokens)
         self.route: str | None = None
         self.origin: PostEncodeRouter[str] | None = None  # the encode worker's router that sent it

@@ -129,7 +129,9 @@ def measured_capacity(cfg: RuntimeConfig) -> float:
         return 1.0
     if str(cfg.spec.engine.backend) == "sim":
         c *= float(os.environ.get("EASERVE_SIM_SPEEDUP", "1") or 1)
-    frontends = int(os.environ.get(FRONTENDS_ENV) or max(1, cfg.spec.allocation.encode.replicas))
+    spec = cfg.spec
+    pods = spec.aggregated_engine.replicas(spec.gpu_budget) if str(spec.mode) == "aggregated" else spec.allocation.encode.replicas
+    frontends = int(os.environ.get(FRONTENDS_ENV) or max(1, pods))
     return c / max(1, frontends)
 
 

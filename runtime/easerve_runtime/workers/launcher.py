@@ -108,6 +108,7 @@ START_ORDER = {
     Stage.LOCAL_PREFILL: 3,
     Stage.OMNI_DOWNSTREAM: 3,
     Stage.ENCODE: 4,
+    Stage.AGGREGATED: 4,
     Stage.FRONTEND: 5,
     Stage.OMNI_SHARED: 5,
 }
@@ -115,6 +116,7 @@ START_ORDER = {
 ENTRY = (Stage.FRONTEND, Stage.OMNI_SHARED)
 """The HTTP front doors: stopped first, they drain accepted requests through the rest."""
 STOP_ORDER = (
+    Stage.AGGREGATED,
     Stage.ENCODE,
     Stage.LOCAL_PREFILL,
     Stage.PREFILL,
@@ -429,6 +431,16 @@ class Launcher:
             shutil.rmtree(self.blob_dir, ignore_errors=True)  # blobs a dead receiver never took
 
 
+def _layout(spec: EPDDeploymentSpec) -> str:
+    if spec.mode == DeploymentMode.DISAGGREGATED:
+        return spec.allocation.label()
+    if spec.mode == DeploymentMode.AGGREGATED:
+        agg = spec.aggregated_engine
+        tp = f"(tp{agg.tensor_parallel})" if agg.tensor_parallel > 1 else ""
+        return f"{agg.replicas(spec.gpu_budget)}x(E+P+D){tp} aggregated, token budget {agg.token_budget}"
+    return f"{spec.gpu_budget}x omni pod"
+
+
 def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] | None = None) -> int:
     """Run the deployment in ``path`` until SIGINT/SIGTERM; 0 on a clean stop."""
     from easerve_runtime.api import load_manifest
@@ -456,7 +468,7 @@ def serve(path: str, port: int, workdir: str | None = None, env: dict[str, str] 
         "EAServe %s (%s, %s) serving at %s/v1/chat/completions (workdir %s)",
         name,
         spec.served_model_name,
-        spec.allocation.label() if spec.mode == DeploymentMode.DISAGGREGATED else f"{spec.gpu_budget}x omni pod",
+        _layout(spec),
         launcher.url,
         wd,
     )

@@ -40,7 +40,7 @@ from easerve_runtime.workers.pool import Pool
 
 log = logging.getLogger("easerve.worker")
 
-STAGES = ("encode", "prefill", "decode", "frontend", "local-prefill")
+STAGES = ("encode", "prefill", "decode", "frontend", "local-prefill", "aggregated")
 OMNI_STAGES = ("omni-shared", "omni-downstream")
 DRAIN_TIMEOUT_S = 60.0
 CONFIG_POLL_S = 1.0
@@ -107,8 +107,19 @@ async def follow_config(follower: ConfigFollower, worker: Any, metrics: Metrics)
 
 
 def make_engine(spec: EPDDeploymentSpec, stage: str) -> Any:
-    """The engine for this stage, by ``spec.engine.backend``."""
+    """The engine for this stage, by ``spec.engine.backend``; for ``aggregated`` the
+    (encoder, prefiller, decoder) triple of one process."""
     backend = str(spec.engine.backend)
+    if stage == "aggregated":
+        if backend == Backend.SIM:
+            from easerve_runtime.engines.sim import SimEngine
+
+            sim = SimEngine.for_spec(spec, stage)
+            return sim, sim, sim
+        if backend == Backend.TORCH:
+            from easerve_runtime.engines.torch import make_aggregated_engines
+
+            return make_aggregated_engines(spec)
     if backend == Backend.SIM:
         from easerve_runtime.engines.sim import SimEngine
 
@@ -181,7 +192,12 @@ async def run_stage(
     engine = make_engine(spec, stage)
     link = partition_link(spec, stage)
     worker: Any
-    if stage == "decode":
+    if stage == "aggregated":  # serves the encode component: the frontend reaches it unchanged
+        from easerve_runtime.workers.aggregated import AggregatedWorker
+
+        component = COMPONENT_ENCODE
+        worker = AggregatedWorker.for_spec(spec, engine, metrics)
+    elif stage == "decode":
         from easerve_runtime.workers.decode import DecodeWorker
 
         component = COMPONENT_DECODE
