@@ -28,11 +28,10 @@ def pick_device() -> str:
 
 
 def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
-    """The local prefill's green-context streams, one per ladder level (8-SM steps), when the spec
-    splits the encode GPU with green contexts; None otherwise (or where they cannot be made).
-
-    Kernels of two processes share SMs concurrently only under MPS; without it the split bounds
-    the prefill's SMs but the two processes time-slice (see docs/engine.md, not built yet).
+    """The encode GPU's green-context streams, one primary/partner pair per ladder level (8-SM
+    steps), when the spec splits the encode GPU with green contexts; None otherwise (or where they
+    cannot be made). One pool per GPU, shared by the encode engine (primary streams) and the local
+    prefill engine (partner streams) of the one process that hosts both (``colocated_engines``).
     """
     if str(spec.sm_partition.mode) == "none" or str(spec.sm_partition.backend) != "green-context":
         return None
@@ -66,7 +65,7 @@ def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any 
         "trust_remote_code": m.trust_remote_code,
     }
     if stage == "encode":
-        return HFEncodeEngine(m.path, **kw)
+        return HFEncodeEngine(m.path, pool=pool, **kw)
     if stage in ("prefill", "local-prefill"):
         if pool is None and stage == "local-prefill":
             pool = green_pool(spec, kw["device"])
@@ -74,3 +73,11 @@ def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any 
     if stage == "decode":
         return HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
     raise ValueError(f"no torch engine for stage {stage!r}")
+
+
+def colocated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any]:
+    """The encode engine and its GPU's local prefill engine for ONE process
+    (``topology.local_prefill_in_encode``), sharing one ``GreenContextPool`` on CUDA (None on the
+    CPU or without a green-context split: then nothing about streams changes)."""
+    pool = green_pool(spec, pick_device())
+    return make_torch_engine(spec, "encode", pool), make_torch_engine(spec, "local-prefill", pool)
