@@ -209,7 +209,7 @@ class InProcessPool:
             async with contextlib.aclosing(self.worker.generate(request)) as items:
                 async for item in items:
                     yield item
-        except (StageError, GeneratorExit, asyncio.CancelledError):
+        except StageError:
             raise
         except Exception as exc:
             raise StageError(f"{self.name} failed: {exc!r}") from exc
