@@ -52,26 +52,27 @@ def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
         return None
 
 
+def _engine_kw(spec: EPDDeploymentSpec) -> dict[str, Any]:
+    m = spec.model
+    if not m.path:
+        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
+    return {"device": pick_device(), "random_weights": m.random_weights, "trust_remote_code": m.trust_remote_code}
+
+
 def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any = None) -> Any:
     """The torch engine of ``stage`` for ``spec`` (validation already required ``spec.model.path``)."""
     from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
 
-    m = spec.model
-    if not m.path:
-        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
-    kw: dict[str, Any] = {
-        "device": pick_device(),
-        "random_weights": m.random_weights,
-        "trust_remote_code": m.trust_remote_code,
-    }
+    kw = _engine_kw(spec)
+    path = str(spec.model.path)
     if stage == "encode":
-        return HFEncodeEngine(m.path, pool=pool, **kw)
+        return HFEncodeEngine(path, pool=pool, **kw)
     if stage in ("prefill", "local-prefill"):
         if pool is None and stage == "local-prefill":
             pool = green_pool(spec, kw["device"])
-        return HFPrefillEngine(m.path, pool=pool, **kw)
+        return HFPrefillEngine(path, pool=pool, **kw)
     if stage == "decode":
-        return HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
+        return HFDecodeEngine(path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
     raise ValueError(f"no torch engine for stage {stage!r}")
 
 
@@ -79,5 +80,9 @@ def colocated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any]:
     """The encode engine and its GPU's local prefill engine for ONE process
     (``topology.local_prefill_in_encode``), sharing one ``GreenContextPool`` on CUDA (None on the
     CPU or without a green-context split: then nothing about streams changes)."""
-    pool = green_pool(spec, pick_device())
-    return make_torch_engine(spec, "encode", pool), make_torch_engine(spec, "local-prefill", pool)
+    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+
+    kw = _engine_kw(spec)
+    path = str(spec.model.path)
+    pool = green_pool(spec, kw["device"])
+    return HFEncodeEngine(path, pool=pool, **kw), HFPrefillEngine(path, pool=pool, **kw)
