@@ -1,8 +1,8 @@
 """End to end on a GPU: EAServe and a Dynamo-style configuration, each served by ``easerve serve``
 on the torch engine, loaded by ``easerve bench`` at a ladder of rates; goodput per SLO tier.
 
-What runs is the product: the launcher starts the topology's processes (frontend, encode, local
-prefill, partition controller, prefill, decode) over Dynamo's runtime (file discovery, TCP request
+What runs is the product: the launcher starts the topology's processes (frontend, encode with its
+local prefill in the same process, partition controller, prefill, decode) over Dynamo's runtime (file discovery, TCP request
 plane), each stage on the transformers engine of a LLaVA-NeXT 7B directory (CLIP ViT-L/336 +
 a Mistral-7B-shaped backbone, ``easerve model init --size 7b``: the real config, tokenizer,
 processor and chat template; random weights materialised at load). The client sends photo-like

@@ -22,6 +22,15 @@ partition-controller. ``spec.allocation.encode.replicas`` must then be a multipl
 GPUs left over would form a second pod shape with no local partner); otherwise ``plan`` raises a
 ``SpecError`` naming that field.
 
+**Local prefill inside the encode process (torch engine).** With ``engine.backend: torch`` each
+encode worker process also runs its GPU's local prefill worker (``local_prefill_in_encode``, the
+one decision; the workers read it too): without MPS, kernels of two processes on one GPU
+time-slice, so the green-context split of the GPU between encode and local prefill is only
+enforced concurrently when one process holds both engines. The encode process then carries
+``hosts=(Stage.LOCAL_PREFILL,)`` and the pod has no ``local-prefill`` container. The torch engine
+has no tensor parallelism, so that local prefill is TP 1 on its own encode GPU (k = 1 whatever
+the profile says). The sim engine keeps its separate local prefill process.
+
 Pure: no I/O except reading the shipped latency profile by name when the caller does not pass
 ``Hardware`` (``hardware_for``).
 """
@@ -36,6 +45,7 @@ from easerve_runtime.api import (
     CONFIG_PATH,
     HTTP_PORT,
     SYSTEM_PORT,
+    Backend,
     DeploymentMode,
     EPDDeploymentSpec,
     PartitionMode,
@@ -95,6 +105,9 @@ class Process:
     """The policy objects it runs, ``kind:name`` (e.g. ``batcher:poisson-gap``, ``router:deficit``)."""
     env: tuple[tuple[str, str], ...] = ()
     """Process-specific environment, in order (GPU sharing, partition record index)."""
+    hosts: tuple[Stage, ...] = ()
+    """Stages it runs in-process beside its own (an encode worker hosting its GPU's local prefill
+    worker, ``local_prefill_in_encode``): no container of their own."""
 
     @property
     def health_port(self) -> int | None:
@@ -125,6 +138,10 @@ class Pod:
 
     def process(self, stage: Stage) -> list[Process]:
         return [p for p in self.processes if p.stage == stage]
+
+    def workers(self, stage: Stage) -> list[Process]:
+        """The processes running a ``stage`` worker: as their own stage, or hosting it in-process."""
+        return [p for p in self.processes if p.stage == stage or stage in p.hosts]
 
 
 @dataclass(frozen=True)
@@ -216,6 +233,18 @@ def plan(spec: EPDDeploymentSpec, hardware: Hardware | None = None) -> Topology:
     return _plan_disaggregated(spec, hw)
 
 
+def local_prefill_in_encode(spec: EPDDeploymentSpec) -> bool:
+    """Does each encode worker process host its GPU's local prefill worker (one process, one event
+    loop, both engines)? The one place this is decided: ``plan`` lays pods out by it and the encode
+    worker (``workers/main.py``) builds the in-process local prefill by it.
+
+    Yes with the torch engine whenever there is local prefill (``offload.ratio < 1``): CUDA runs
+    kernels of two processes concurrently only under MPS, so the per-micro-batch green-context
+    split between encode and local prefill needs both engines' streams in one process. No with
+    the sim engine (nothing shares a device; its layout, which the twin mirrors, stays)."""
+    return spec.has_local_prefill and str(spec.engine.backend) == Backend.TORCH
+
+
 def _partition_policy(spec: EPDDeploymentSpec) -> str | None:
     """The SM-partition controller's policy on an encode GPU with a local prefill partner."""
     mode = spec.sm_partition.mode
@@ -228,7 +257,8 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
     a = spec.allocation
     s = float(spec.offload.ratio)
     colocated = spec.has_local_prefill
-    k = hw.local_prefill_tp if colocated else 1
+    in_process = local_prefill_in_encode(spec)
+    k = hw.local_prefill_tp if colocated and not in_process else 1
     if colocated and a.encode.replicas % k:
         raise SpecError(
             "spec.allocation.encode.replicas",
@@ -242,7 +272,8 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
     batcher = f"batcher:{spec.encode.dispatch}"
 
     # encode pod: frontend, k encode workers (one GPU each), and with local prefill one local
-    # prefill worker of TP k sharing those GPUs plus one partition controller per GPU
+    # prefill worker of TP k sharing those GPUs (or, in_process, inside the encode process, k = 1)
+    # plus one partition controller per GPU
     procs: list[Process] = [_frontend()]
     # system ports: 9090 encode-0 (the Service's), 9091 frontend, 9092 local prefill, 9093.. encode-1..
     routes = ("router:deficit", "envelope") if colocated else ("envelope",)
@@ -261,12 +292,13 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
                 probe=port.name,
                 partition_gpus=(i,) if partitioned else (),
                 shm=colocated,
-                policies=(batcher, *routes),
+                policies=(batcher, *routes, *(("batcher:prefill-tokens",) if in_process else ())),
                 env=((PARTITION_GPU_ENV, str(i)),) if partitioned else (),
+                hosts=(Stage.LOCAL_PREFILL,) if in_process else (),
             )
         )
-    if colocated:
-        gpus = tuple(range(k))
+    gpus = tuple(range(k))
+    if colocated and not in_process:
         lp = Port("system-lp", SYSTEM_PORT + 2)
         procs.append(
             Process(
@@ -287,23 +319,23 @@ def _plan_disaggregated(spec: EPDDeploymentSpec, hw: Hardware) -> Topology:
                 ),
             ),
         )
-        if partitioned:
-            for i in gpus:
-                procs.append(
-                    Process(
-                        "partition-controller" if k == 1 else f"partition-controller-{i}",
-                        Stage.PARTITION_CONTROLLER,
-                        (
-                            "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", str(i),
-                            *(("--total-sms", str(hw.total_sms)) if hw.total_sms else ()),
-                        ),  # fmt: skip
-                        shares=(i,),
-                        partition_gpus=(i,),
-                        shm=True,
-                        policies=(f"partition:{policy}",),
-                        env=tuple(SHARE_GPU_ENV.items()),
-                    )
+    if colocated and partitioned:
+        for i in gpus:
+            procs.append(
+                Process(
+                    "partition-controller" if k == 1 else f"partition-controller-{i}",
+                    Stage.PARTITION_CONTROLLER,
+                    (
+                        "easerve", "partition-controller", "--config", CONFIG_PATH, "--gpu", str(i),
+                        *(("--total-sms", str(hw.total_sms)) if hw.total_sms else ()),
+                    ),  # fmt: skip
+                    shares=(i,),
+                    partition_gpus=(i,),
+                    shm=True,
+                    policies=(f"partition:{policy}",),
+                    env=tuple(SHARE_GPU_ENV.items()),
                 )
+            )
     system_port = Port("system", SYSTEM_PORT)
     encode = Pod(
         Stage.ENCODE,

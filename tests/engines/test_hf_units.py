@@ -192,3 +192,36 @@ def test_a_mapped_blob_take_is_the_kv_cache_without_a_copy(tmp_path: Path) -> No
         blobs.take_sync(name, mapped=True)
     empty = blobs.put_sync(b"")
     assert len(blobs.take_sync(empty, mapped=True)) == 0
+
+
+def test_encode_and_local_prefill_take_one_green_level_from_one_split(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One process, one ``GreenContextPool``: for the split a partition record grants (encode's
+    share, local prefill's complement) the encoder takes the level's primary stream and the
+    prefill the SAME level's partner stream, so the two never share SMs. At the whole GPU, on the
+    CPU or without a pool, neither switches streams. (The pool is a stand-in: no CUDA here.)"""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+
+    total = 132
+    pool = SimpleNamespace(
+        total_sms=total,
+        levels={s: SimpleNamespace(sms=s, partner_sms=total - s) for s in range(16, total, 8)},
+        primary=lambda s: ("primary", s),
+        partner=lambda s: ("partner", s),
+    )
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext(s))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(multi_processor_count=total))
+    enc, pre = object.__new__(HFEncodeEngine), object.__new__(HFPrefillEngine)
+    for e in (enc, pre):
+        e.pool, e.device = pool, "cuda"
+    for primary in (16, 64, 96, 104, 128):
+        with enc._stream_ctx(primary / total) as a, pre._stream_ctx((total - primary) / total) as b:
+            assert (a, b) == (("primary", primary), ("partner", primary))
+    with enc._stream_ctx(1.0) as a:
+        assert a is None
+    enc.device = "cpu"
+    with enc._stream_ctx(0.5) as a:
+        assert a is None

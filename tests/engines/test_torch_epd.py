@@ -22,7 +22,7 @@ from easerve_runtime.engines.base import MediaPart
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.workers.decode import DecodeWorker
 from easerve_runtime.workers.encode import EncodeWorker
-from easerve_runtime.workers.pool import StageError
+from easerve_runtime.workers.pool import InProcessPool, StageError
 from easerve_runtime.workers.prefill import PrefillWorker
 from easerve_runtime.workers.wire import part_to_wire
 
@@ -164,7 +164,7 @@ class EPD:
         for w in (self.remote, self.local):
             w.kv_chunk_bytes = chunk  # many chunks per request: the reassembly is exercised
         self.encode = EncodeWorker(spec, engines["encode"], m, DirectPool({1: self.remote.generate}, "prefill"),
-                                   DirectPool({2: self.local.generate}, "local"))
+                                   InProcessPool(self.local))  # as the encode process hosts it
         self.tasks: list[asyncio.Task[None]] = []
 
     async def __aenter__(self) -> EPD:

@@ -129,6 +129,14 @@ def bench(url: str, n: int, rate: float, seed: int, output_mean: int, timeout: f
     return dict(json.loads(out.stdout))
 
 
+def test_sim_keeps_its_separate_local_prefill_process(served: Served) -> None:
+    """The sim engine's layout: the local prefill is its own process beside the encode worker (the
+    torch engine runs it inside the encode process: tests/engines/test_torch_local_prefill.py)."""
+    stages = sorted(p["stage"] for p in served.processes())
+    assert stages == ["decode", "decode", "encode", "frontend", "local-prefill", "prefill"]
+    assert served.find("local-prefill")["pid"] != served.find("encode")["pid"]
+
+
 def test_300_requests_counts_and_split(served: Served) -> None:
     enc = served.find("encode")
     fe0, enc0 = served.metrics(), served.metrics(enc["system_port"])

@@ -11,7 +11,7 @@ from easerve_runtime.api import Allocation, SpecError, Stage, StageAllocation, l
 from easerve_runtime.sim.runner import cached_model
 from easerve_runtime.sim.twin import run_pipeline
 from easerve_runtime.sim.twin import topology as twin_topology
-from easerve_runtime.topology import Hardware, plan
+from easerve_runtime.topology import Hardware, local_prefill_in_encode, plan
 from easerve_runtime.workers.launcher import plan as launcher_plan
 from easerve_runtime.workload import generate
 
@@ -165,3 +165,61 @@ def test_an_unknown_profile_the_layout_needs_is_named(example: str) -> None:
     spec = spec.model_copy(update={"engine": spec.engine.model_copy(update={"profile": "nope@h200"})})
     with pytest.raises(SpecError, match=r"^spec\.engine\.profile: unknown .*nope@h200"):
         plan(spec)
+
+
+def _with(spec: Any, backend: str, ratio: float, profile: str) -> Any:
+    w = spec.wire()
+    return spec.model_validate({
+        **w,
+        "engine": {**w["engine"], "backend": backend, "profile": profile},
+        "model": {**w["model"], "path": "/models/llava"},
+        "offload": {"ratio": ratio},
+        "smPartition": {**w["smPartition"], "mode": "dynamic" if ratio < 1 else "none"},
+        "allocation": {"encode": {"replicas": 2}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+    })
+
+
+def test_local_prefill_in_encode_is_decided_once_by_the_spec() -> None:
+    """torch with local prefill: in the encode process; sim, or no local prefill: not."""
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    assert local_prefill_in_encode(_with(spec, "torch", 0.5, "llava-v1.6-34b@h200"))
+    assert local_prefill_in_encode(_with(spec, "torch", 0.0, "llava-v1.6-34b@h200"))
+    assert not local_prefill_in_encode(_with(spec, "torch", 1.0, "llava-v1.6-34b@h200"))
+    assert not local_prefill_in_encode(_with(spec, "sim", 0.5, "llava-v1.6-34b@h200"))
+    _, omni = load_manifest(REPO / "examples" / "qwen2.5-omni.yaml")
+    assert not local_prefill_in_encode(omni)
+
+
+@pytest.mark.parametrize("profile", ["llava-v1.6-34b@h200", "llava-v1.6-34b@rtx6000ada"])
+def test_torch_encode_process_hosts_its_local_prefill_everywhere(profile: str) -> None:
+    """No local-prefill container or process for torch: each encode process (one GPU, one pod,
+    whatever TP the profile wants: torch has none) hosts it; the renderer, the launcher and the
+    twin all follow; the sim spec keeps its separate local prefill process."""
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    torch_spec = _with(spec, "torch", 0.5, profile)
+    topo = plan(torch_spec)
+    enc = topo.pod(Stage.ENCODE)
+    assert [p.name for p in enc.processes] == ["frontend", "encode", "partition-controller"]
+    assert enc.replicas == 2 and topo.local_prefill_tp == 1
+    (e,) = enc.process(Stage.ENCODE)
+    assert e.hosts == (Stage.LOCAL_PREFILL,) and enc.workers(Stage.LOCAL_PREFILL) == [e]
+    assert "batcher:prefill-tokens" in e.policies
+    (pc,) = enc.process(Stage.PARTITION_CONTROLLER)
+    assert e.partition_gpus == pc.partition_gpus == (0,) and e.shm
+    kids = render_children("x", "ns", "u", torch_spec)
+    (dep,) = [d for d in kids if d["kind"] == "Deployment" and d["metadata"]["labels"]["easerve.io/stage"] == "encode"]
+    names = [c["name"] for c in dep["spec"]["template"]["spec"]["containers"]]
+    assert names == ["frontend", "encode", "partition-controller"]
+    procs = launcher_plan(torch_spec, 8000)
+    assert not [p for p in procs if p.stage == Stage.LOCAL_PREFILL]
+    assert len([p for p in procs if p.stage == Stage.ENCODE]) == 2
+    # the twin still models one local prefill worker per encode GPU (TP 1) and routes to it
+    model = cached_model(torch_spec)
+    assert twin_topology(torch_spec, model) == topo
+    jobs, _ = run_pipeline(torch_spec, generate(torch_spec, 1.0, 20, seed=0), model)
+    assert {j.route for j in jobs} == {"local", "remote"}
+    # the same spec on the sim engine: its layout as before
+    sim = plan(_with(spec, "sim", 0.5, profile))
+    sim_enc = sim.pod(Stage.ENCODE)
+    assert len(sim_enc.process(Stage.LOCAL_PREFILL)) == 1
+    assert all(not p.hosts for p in sim_enc.processes)

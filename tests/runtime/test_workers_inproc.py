@@ -212,6 +212,76 @@ def test_decode_failure_reaches_the_client() -> None:
         assert "error" in items[-1] and "decode" in items[-1]["error"]
 
 
+def test_in_process_local_prefill_pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``InProcessPool`` (the torch engine's encode process hosting its local prefill): the same
+    tokens as over a pool, the envelope handed over as is (no blob even where blobs exist), a
+    cancel reaches the worker, nothing stays outstanding; a handler that raises is a StageError
+    for every request of its envelope."""
+    from easerve_runtime.workers.blobs import BLOB_DIR_ENV
+    from easerve_runtime.workers.pool import InProcessPool
+
+    monkeypatch.setenv(BLOB_DIR_ENV, str(tmp_path / "blobs"))
+
+    async def run() -> tuple[list[list[dict[str, Any]]], InProcessPool, list[Any], list[str]]:
+        eng = SimEngine(FakeProfile(), speedup=1.0, bytes_scale=1.0)
+        m = Metrics()
+        decoder = DecodeWorker(eng, m)
+        local = PrefillWorker(eng, m, FakePool({10: decoder.generate}, "decode"), stage="local-prefill")
+        seen: list[Any] = []
+        cancels: list[str] = []
+        handler = local.generate
+
+        async def spy(env: Any, context: Any = None) -> AsyncIterator[Any]:
+            seen.append(dict(env))
+            if "cancel" in env:
+                cancels.extend(env["cancel"])
+            async for x in handler(env, context):
+                yield x
+
+        local.generate = spy  # type: ignore[method-assign]
+        pool = InProcessPool(local)
+        enc = EncodeWorker(spec(ratio=0.0), eng, m, None, pool)
+        loops = [asyncio.create_task(w.run()) for w in (enc, local, decoder)]
+
+        async def one(i: int) -> list[dict[str, Any]]:
+            req = {"id": f"r{i}", "seed": i, "text_tokens": 4, "max_tokens": 3, "parts": [png_part()]}
+            return [x async for x in enc.generate(req)]
+
+        res = await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(6))), 10)
+        async for _ in pool.stream({"cancel": ["nobody"]}):
+            pass
+        for t in loops:
+            t.cancel()
+        return list(res), pool, seen, cancels
+
+    results, pool, seen, cancels = asyncio.run(run())
+    for i, items in enumerate(results):
+        assert [x["token"] for x in items if "token" in x] == [token_at(i, k) for k in range(3)], items
+        assert items[-1]["done"] and items[-1]["route"] == "local"
+    envs = [e for e in seen if "requests" in e]
+    assert envs and all("buffer_blob" not in e and "buffer" not in e for e in envs)
+    assert cancels == ["nobody"] and pool.outstanding == {}
+
+    async def broken(env: Any, context: Any = None) -> AsyncIterator[Any]:
+        yield {"ack": True}
+        raise RuntimeError("boom")
+
+    class Broken:
+        generate = staticmethod(broken)
+
+    async def fail() -> list[dict[str, Any]]:
+        eng = SimEngine(FakeProfile(), speedup=1.0, bytes_scale=1.0)
+        enc = EncodeWorker(spec(ratio=0.0), eng, Metrics(), None, InProcessPool(Broken()))
+        loop = asyncio.create_task(enc.run())
+        req = {"id": "x", "seed": 0, "text_tokens": 4, "max_tokens": 3, "parts": [png_part()]}
+        items = [x async for x in enc.generate(req)]
+        loop.cancel()
+        return items
+
+    items = asyncio.run(asyncio.wait_for(fail(), 10))
+    assert "error" in items[-1] and "local prefill failed" in items[-1]["error"] and "boom" in items[-1]["error"]
+
+
 def test_sim_engine_charges_profile_and_is_deterministic() -> None:
     async def run() -> None:
         prof = FakeProfile()

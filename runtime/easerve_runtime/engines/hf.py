@@ -425,8 +425,11 @@ class HFEncodeEngine(_Stage):
     """
 
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: Any = None, random_weights: bool = False,
-                 trust_remote_code: bool = False) -> None:
+                 trust_remote_code: bool = False, pool: Any = None) -> None:
         super().__init__(path, "encode", device, dtype, random_weights, trust_remote_code)
+        self.pool = pool
+        """The ``GreenContextPool`` this process's local prefill shares (CUDA, SM split): the tower
+        runs on the primary stream of the micro-batch's share (``_stream_ctx``)."""
         from easerve_runtime.models.loading import load_processor
 
         self.processor = load_processor(path, trust_remote_code)
@@ -710,8 +713,31 @@ class HFEncodeEngine(_Stage):
         proj = m.multi_modal_projector(hidden)
         return [proj[i, : int(out_lengths[i])] for i in range(b)]
 
+    def _stream_ctx(self, sm_share: float) -> Any:
+        """The primary (encode) stream of the green-context level nearest ``sm_share`` of the GPU;
+        the current stream without a pool, on the CPU, or at the whole GPU. The local prefill in
+        the same process picks the same level's partner stream for the complementary share
+        (``HFPrefillEngine._stream_ctx``), so the two run concurrently on disjoint SMs. The
+        preprocessing and host-copy streams of the chunk pipeline stay plain streams."""
+        import contextlib
+
+        if self.pool is None or sm_share >= 1.0 or not self.device.startswith("cuda"):
+            return contextlib.nullcontext()
+        levels = self.pool.levels
+        if not levels:
+            return contextlib.nullcontext()
+        import torch
+
+        want = round(sm_share * int(self.pool.total_sms))
+        primary = min(levels, key=lambda s: abs(levels[s].sms - want))
+        return torch.cuda.stream(self.pool.primary(primary))
+
+    def _encode_on_share(self, batch: Sequence[EncodeInput], sm_share: float) -> list[Embedding]:
+        with self._stream_ctx(sm_share):  # a thread's current stream: set in the thread that runs it
+            return self._encode_sync(batch)
+
     async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]:
-        return await asyncio.to_thread(self._encode_sync, batch)
+        return await asyncio.to_thread(self._encode_on_share, batch, sm_share)
 
 
 class HFPrefillEngine(_Stage):

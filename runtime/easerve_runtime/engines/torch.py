@@ -28,11 +28,10 @@ def pick_device() -> str:
 
 
 def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
-    """The local prefill's green-context streams, one per ladder level (8-SM steps), when the spec
-    splits the encode GPU with green contexts; None otherwise (or where they cannot be made).
-
-    Kernels of two processes share SMs concurrently only under MPS; without it the split bounds
-    the prefill's SMs but the two processes time-slice (see docs/engine.md, not built yet).
+    """The encode GPU's green-context streams, one primary/partner pair per ladder level (8-SM
+    steps), when the spec splits the encode GPU with green contexts; None otherwise (or where they
+    cannot be made). One pool per GPU, shared by the encode engine (primary streams) and the local
+    prefill engine (partner streams) of the one process that hosts both (``colocated_engines``).
     """
     if str(spec.sm_partition.mode) == "none" or str(spec.sm_partition.backend) != "green-context":
         return None
@@ -53,26 +52,27 @@ def green_pool(spec: EPDDeploymentSpec, device: str) -> Any:
         return None
 
 
+def _engine_kw(spec: EPDDeploymentSpec) -> dict[str, Any]:
+    m = spec.model
+    if not m.path:
+        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
+    return {"device": pick_device(), "random_weights": m.random_weights, "trust_remote_code": m.trust_remote_code}
+
+
 def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any = None) -> Any:
     """The torch engine of ``stage`` for ``spec`` (validation already required ``spec.model.path``)."""
     from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
 
-    m = spec.model
-    if not m.path:
-        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
-    kw: dict[str, Any] = {
-        "device": pick_device(),
-        "random_weights": m.random_weights,
-        "trust_remote_code": m.trust_remote_code,
-    }
+    kw = _engine_kw(spec)
+    path = str(spec.model.path)
     if stage == "encode":
-        return HFEncodeEngine(m.path, **kw)
+        return HFEncodeEngine(path, pool=pool, **kw)
     if stage in ("prefill", "local-prefill"):
         if pool is None and stage == "local-prefill":
             pool = green_pool(spec, kw["device"])
-        return HFPrefillEngine(m.path, pool=pool, **kw)
+        return HFPrefillEngine(path, pool=pool, **kw)
     if stage == "decode":
-        return HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
+        return HFDecodeEngine(path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
     raise ValueError(f"no torch engine for stage {stage!r}")
 
 
@@ -83,15 +83,21 @@ def make_aggregated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any, Any]:
     device."""
     from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
 
-    m = spec.model
-    if not m.path:
-        raise ValueError("spec.model.path: is required when spec.engine.backend is torch")
-    kw: dict[str, Any] = {
-        "device": pick_device(),
-        "random_weights": m.random_weights,
-        "trust_remote_code": m.trust_remote_code,
-    }
-    enc = HFEncodeEngine(m.path, **kw)
-    dec = HFDecodeEngine(m.path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
-    pre = HFPrefillEngine(m.path, share=dec, **kw)
+    kw = _engine_kw(spec)
+    path = str(spec.model.path)
+    enc = HFEncodeEngine(path, **kw)
+    dec = HFDecodeEngine(path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
+    pre = HFPrefillEngine(path, share=dec, **kw)
     return enc, pre, dec
+
+
+def colocated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any]:
+    """The encode engine and its GPU's local prefill engine for ONE process
+    (``topology.local_prefill_in_encode``), sharing one ``GreenContextPool`` on CUDA (None on the
+    CPU or without a green-context split: then nothing about streams changes)."""
+    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+
+    kw = _engine_kw(spec)
+    path = str(spec.model.path)
+    pool = green_pool(spec, kw["device"])
+    return HFEncodeEngine(path, pool=pool, **kw), HFPrefillEngine(path, pool=pool, **kw)

@@ -91,9 +91,10 @@ def run_pipeline(
         if pod.stage != Stage.ENCODE:
             continue
         local: PrefillWorker | None = None
-        for proc in pod.process(Stage.LOCAL_PREFILL):
+        for proc in pod.workers(Stage.LOCAL_PREFILL):  # its own process, or inside encode's (TP 1)
+            tp = proc.tp if proc.stage == Stage.LOCAL_PREFILL else 1
             local = PrefillWorker(
-                loop, model, proc.tp, f"local-{len(locals_)}", handoff, local=True, token_budget=budget
+                loop, model, tp, f"local-{len(locals_)}", handoff, local=True, token_budget=budget
             )
             locals_.append(local)
         for member, _proc in enumerate(pod.process(Stage.ENCODE)):

@@ -277,7 +277,9 @@ class EncodeWorker:
         pool = self.local if dest == LOCAL else self.remote
         assert pool is not None
         try:
-            if self.blobs is not None:
+            if getattr(pool, "in_process", False):  # the local prefill in this process: the buffer itself
+                msg["buffer_raw"] = buffer
+            elif self.blobs is not None:
                 msg["buffer_blob"] = await self.blobs.put(buffer)
             else:
                 msg["buffer"] = b64e(buffer)

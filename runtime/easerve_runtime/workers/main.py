@@ -22,7 +22,7 @@ from typing import Any
 
 from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
-from easerve_runtime.topology import PARTITION_GPU_ENV
+from easerve_runtime.topology import PARTITION_GPU_ENV, local_prefill_in_encode
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
     COMPONENT_ENCODE,
@@ -189,9 +189,19 @@ async def run_stage(
             cfg, runtime, await pool(COMPONENT_ENCODE, "encode"), metrics, stop, host, port
         )
 
-    engine = make_engine(spec, stage)
+    # the torch engine's encode process also runs its GPU's local prefill worker (one process, one
+    # loop, one GreenContextPool for both engines): see topology.local_prefill_in_encode
+    hosted = stage == "encode" and local_prefill_in_encode(spec)
+    local_engine: Any = None
+    if hosted:
+        from easerve_runtime.engines.torch import colocated_engines
+
+        engine, local_engine = colocated_engines(spec)
+    else:
+        engine = make_engine(spec, stage)
     link = partition_link(spec, stage)
     worker: Any
+    local_worker: Any = None
     if stage == "aggregated":  # serves the encode component: the frontend reaches it unchanged
         from easerve_runtime.workers.aggregated import AggregatedWorker
 
@@ -220,8 +230,22 @@ async def run_stage(
 
         s = spec.offload.ratio
         remote = await pool(COMPONENT_PREFILL, "prefill") if s > 0 else None
-        local = await pool(local_prefill_component(key), "local prefill") if s < 1 else None
-        if local is not None:
+        local: Any = None
+        if hosted:
+            from easerve_runtime.workers.pool import InProcessPool
+            from easerve_runtime.workers.prefill import PrefillWorker
+
+            local_worker = PrefillWorker(
+                local_engine,
+                metrics,
+                await pool(COMPONENT_DECODE, "decode"),
+                stage="local-prefill",
+                max_batch_tokens=spec.prefill.max_batch_tokens,
+                partition=partition_link(spec, "local-prefill"),
+            )
+            local = InProcessPool(local_worker)
+        elif s < 1:
+            local = await pool(local_prefill_component(key), "local prefill")
             await _wait_for_partner(local, local_prefill_component(key))
         component = COMPONENT_ENCODE
         worker = EncodeWorker(spec, engine, metrics, remote, local, partition=link)
@@ -229,6 +253,9 @@ async def run_stage(
     endpoint = runtime.endpoint(endpoint_path(ns, component))
     endpoint.metrics.register_prometheus_expfmt_callback(metrics.exposition)
     loop_task = asyncio.create_task(worker.run(), name=f"{stage}-loop")
+    loops = {loop_task}
+    if local_worker is not None:
+        loops.add(asyncio.create_task(local_worker.run(), name="local-prefill-loop"))
     follow_task = None
     if stage == "encode" and config_path is not None:  # the only stage with live knobs
         follower = ConfigFollower(config_path, spec)
@@ -237,21 +264,24 @@ async def run_stage(
     runtime.set_health_status(True)
     log.info("%s worker serving %s", stage, endpoint_path(ns, component))
     stop_task = asyncio.create_task(stop.wait())
-    done, _ = await asyncio.wait({serve_task, loop_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    done, _ = await asyncio.wait({serve_task, *loops, stop_task}, return_when=asyncio.FIRST_COMPLETED)
     rc = 0
-    if loop_task in done and loop_task.exception() is not None:
-        log.error("%s batch loop died: %r", stage, loop_task.exception())
-        rc = 1
+    for t in loops & done:
+        if t.exception() is not None:
+            log.error("%s died: %r", t.get_name(), t.exception())
+            rc = 1
     runtime.set_health_status(False)
     if stage == "local-prefill" and rc == 0:
         await _stay_discoverable_while_partner_drains(worker)
     runtime.shutdown()  # withdraw discovery, then Dynamo drains in-flight handlers
     try:
-        await asyncio.wait_for(serve_task, DRAIN_TIMEOUT_S)
+        # a dead in-process local prefill drains nothing (its requests wait on it): exit now, so
+        # callers' streams break (an explicit error each) and the supervisor restarts the process
+        await asyncio.wait_for(serve_task, DRAIN_TIMEOUT_S if rc == 0 or local_worker is None else 1.0)
     except (TimeoutError, Exception) as exc:  # noqa: BLE001 - report and exit either way
         if not isinstance(exc, asyncio.CancelledError):
             log.warning("%s: drain ended with %r", stage, exc)
-    for t in (loop_task, stop_task, follow_task):
+    for t in (*loops, stop_task, follow_task):
         if t is not None:
             t.cancel()
     return rc

@@ -174,3 +174,48 @@ class Pool:
             except StopAsyncIteration:
                 return
             yield item
+
+
+class InProcessPool:
+    """The local prefill worker running in this very process (``topology.local_prefill_in_encode``:
+    the torch engine's encode process hosts its GPU's local prefill), as a :class:`StagePool` of one
+    instance, so the encode worker routes, cancels and counts exactly as with the Dynamo pool.
+
+    ``stream`` calls the worker's ``generate`` directly on this event loop; ``in_process`` tells the
+    encode worker to hand the envelope's buffer over as it is (no blob, no base64). A failure of the
+    handler surfaces as :class:`StageError`, as a broken Dynamo stream does, so every request of the
+    envelope gets an explicit error."""
+
+    INSTANCE = 0
+    in_process = True
+
+    def __init__(self, worker: Any, name: str = "local prefill") -> None:
+        self.worker = worker
+        self.name = name
+        self.outstanding: dict[int, int] = {}
+
+    def instances(self) -> list[int]:
+        return [self.INSTANCE]
+
+    def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int:
+        if exclude and self.INSTANCE in exclude:
+            raise StageError(f"no live {self.name} instance", retryable=True)
+        return self.INSTANCE
+
+    async def stream(self, request: Any, instance: int | None = None, weight: int = 1) -> AsyncIterator[Any]:
+        iid = self.INSTANCE
+        self.outstanding[iid] = self.outstanding.get(iid, 0) + weight
+        try:
+            async with contextlib.aclosing(self.worker.generate(request)) as items:
+                async for item in items:
+                    yield item
+        except StageError:
+            raise
+        except Exception as exc:
+            raise StageError(f"{self.name} failed: {exc!r}") from exc
+        finally:
+            n = self.outstanding.get(iid, weight) - weight
+            if n > 0:
+                self.outstanding[iid] = n
+            else:
+                self.outstanding.pop(iid, None)

@@ -84,10 +84,13 @@ class PrefillWorker:
             return
         try:
             metas = list(envelope["requests"])
-            if "buffer_blob" in envelope:
+            raw: Any
+            if "buffer_raw" in envelope:  # from the encode worker of this process (``InProcessPool``)
+                raw = envelope.pop("buffer_raw")
+            elif "buffer_blob" in envelope:
                 if self.blobs is None:
                     raise ValueError("a same-host blob was sent, but this worker has no blob directory")
-                raw: bytes | bytearray = await self.blobs.take(str(envelope["buffer_blob"]))
+                raw = await self.blobs.take(str(envelope["buffer_blob"]))
             else:
                 raw = b64d(envelope["buffer"])
             arrays = Envelope.unpack(raw, envelope["index"])
