@@ -75,6 +75,14 @@ SYSTEMS: dict[str, dict[str, Any]] = {
         "smPartition": {"mode": "none"},
         "env": {"EASERVE_GPU_DECODE": "0"},
     },
+    "easerve-own-process": {  # easerve with its local prefill in a process of its own (the layout before
+        # the one-process encode + local prefill): the A/B of spec.smPartition.localPrefill
+        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
+        "offload": {"ratio": 0.0},
+        "smPartition": {"mode": "dynamic", "backend": "green-context", "localPrefill": "own-process"},
+        "env": {},
+    },
     "aggregated": {"mode": "aggregated", "env": {}},
 }
 
@@ -412,7 +420,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output directory (on the GPU machine: $OUT)")
-    p.add_argument("--systems", default="easerve,dynamo-style", help="comma list of easerve, dynamo-style, aggregated")
+    p.add_argument("--systems", default="easerve,dynamo-style", help="comma list of easerve, easerve-own-process, dynamo-style, aggregated")
     p.add_argument("--rates", default="1,2,4,6", type=lambda s: [float(x) for x in s.split(",")])
     p.add_argument("--requests", type=int, default=60, help="requests per rate point")
     p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="tiny: CPU smoke of the harness")

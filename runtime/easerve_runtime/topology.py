@@ -48,6 +48,7 @@ from easerve_runtime.api import (
     Backend,
     DeploymentMode,
     EPDDeploymentSpec,
+    LocalPrefillProcess,
     PartitionMode,
     SpecError,
     Stage,
@@ -241,8 +242,13 @@ def local_prefill_in_encode(spec: EPDDeploymentSpec) -> bool:
     Yes with the torch engine whenever there is local prefill (``offload.ratio < 1``): CUDA runs
     kernels of two processes concurrently only under MPS, so the per-micro-batch green-context
     split between encode and local prefill needs both engines' streams in one process. No with
-    the sim engine (nothing shares a device; its layout, which the twin mirrors, stays)."""
-    return spec.has_local_prefill and str(spec.engine.backend) == Backend.TORCH
+    the sim engine (nothing shares a device; its layout, which the twin mirrors, stays).
+    ``spec.smPartition.localPrefill`` overrides the default (``own-process``: e.g. under MPS, or
+    to measure the difference)."""
+    where = spec.sm_partition.local_prefill
+    if not spec.has_local_prefill or where == LocalPrefillProcess.OWN_PROCESS:
+        return False
+    return where == LocalPrefillProcess.IN_ENCODE_PROCESS or str(spec.engine.backend) == Backend.TORCH
 
 
 def _partition_policy(spec: EPDDeploymentSpec) -> str | None:

@@ -190,6 +190,25 @@ def test_local_prefill_in_encode_is_decided_once_by_the_spec() -> None:
     assert not local_prefill_in_encode(omni)
 
 
+def test_spec_smpartition_localprefill_overrides_where_local_prefill_runs() -> None:
+    """own-process puts the torch engine's local prefill back in a process of its own (e.g. under
+    MPS, or to measure the difference); in-encode-process is refused for the sim engine, naming
+    the field."""
+    from easerve_runtime.api import parse_spec
+
+    _, spec = load_manifest(REPO / "examples" / "llava-v1.6-34b.yaml")
+    t = _with(spec, "torch", 0.5, "llava-v1.6-34b@h200")
+    own = t.model_validate({**t.wire(), "smPartition": {**t.wire()["smPartition"], "localPrefill": "own-process"}})
+    assert not local_prefill_in_encode(own)
+    enc = plan(own).pod(Stage.ENCODE)
+    assert [p.stage for p in enc.workers(Stage.LOCAL_PREFILL)] == [Stage.LOCAL_PREFILL]
+    assert not enc.process(Stage.ENCODE)[0].hosts
+    sim = _with(spec, "sim", 0.5, "llava-v1.6-34b@h200").wire()
+    sim["smPartition"]["localPrefill"] = "in-encode-process"
+    with pytest.raises(ValueError, match=r"spec\.smPartition\.localPrefill: in-encode-process needs"):
+        parse_spec(sim)
+
+
 @pytest.mark.parametrize("profile", ["llava-v1.6-34b@h200", "llava-v1.6-34b@rtx6000ada"])
 def test_torch_encode_process_hosts_its_local_prefill_everywhere(profile: str) -> None:
     """No local-prefill container or process for torch: each encode process (one GPU, one pod,

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from easerve_runtime.api.spec import Backend, DeploymentMode, Modality, PartitionMode
+from easerve_runtime.api.spec import Backend, DeploymentMode, LocalPrefillProcess, Modality, PartitionMode
 
 if TYPE_CHECKING:
     from easerve_runtime.api.spec import EPDDeploymentSpec
@@ -117,7 +117,7 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
                 f"is {spec.sm_partition.mode} but spec.offload.ratio is 1: no local prefill shares the encode GPU",
             )
         )
-    return errs + _static_errors(spec) + engine_errors(spec)
+    return errs + _static_errors(spec) + _local_prefill_errors(spec) + engine_errors(spec)
 
 
 AGGREGATED_IGNORES = {
@@ -158,6 +158,14 @@ def aggregated_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
             )
         )
     return errs
+
+
+def _local_prefill_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
+    if (spec.sm_partition.local_prefill == LocalPrefillProcess.IN_ENCODE_PROCESS
+            and spec.engine.backend != Backend.TORCH):
+        return [SpecError("spec.smPartition.localPrefill",
+                          "in-encode-process needs spec.engine.backend: torch (the sim engine shares no device)")]
+    return []
 
 
 def _static_errors(spec: EPDDeploymentSpec) -> list[SpecError]:

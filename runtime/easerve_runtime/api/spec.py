@@ -71,6 +71,12 @@ class PartitionBackend(StrEnum):
     NONE = "none"
 
 
+class LocalPrefillProcess(StrEnum):
+    AUTO = "auto"
+    IN_ENCODE_PROCESS = "in-encode-process"
+    OWN_PROCESS = "own-process"
+
+
 class DiscoveryBackend(StrEnum):
     ETCD = "etcd"
     KUBERNETES = "kubernetes"
@@ -297,6 +303,13 @@ class SMPartitionSpec(Model):
         le=10,
         description="Latency slack of the dynamic split: encode gets the fewest SMs within (1+epsilon) of its "
         "full-GPU latency. Larger values give local prefill more SMs.",
+    )
+    local_prefill: LocalPrefillProcess = Field(
+        default=LocalPrefillProcess.AUTO,
+        description="Where the local prefill worker of an encode GPU runs: in-encode-process (one process holds "
+        "both engines, so their kernels run concurrently without MPS; the torch engine only), own-process (a "
+        "container of its own, e.g. under MPS), or auto (in-encode-process with the torch engine, own-process "
+        "with the sim engine).",
     )
 
 
