@@ -64,10 +64,28 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Every test that uses the `k8s` fixture carries the `k8s` marker, so `-m "not k8s"` skips them."""
+    """Every test that uses the `k8s` fixture carries the `k8s` marker, so `-m "not k8s"` skips them;
+    every test marked `gpu` is skipped, with its reason, where torch sees no CUDA device (CI)."""
+    no_cuda = None
     for item in items:
         if "k8s" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.k8s)
+        if item.get_closest_marker("gpu") is not None:
+            if no_cuda is None:
+                no_cuda = _no_cuda()
+            if no_cuda:
+                item.add_marker(pytest.mark.skip(reason=no_cuda))
+
+
+def _no_cuda() -> str:
+    """Why GPU tests cannot run here ('' when they can)."""
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        return "needs a CUDA GPU (torch is not installed)"
+    import torch
+
+    return "" if torch.cuda.is_available() else "needs a CUDA GPU (torch.cuda unavailable)"
 
 
 @pytest.fixture(scope="session")

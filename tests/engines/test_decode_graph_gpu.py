@@ -8,24 +8,11 @@ caches. Rows of very different lengths share the step. Run on the device machine
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 
-
-def _has_cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda unavailable)"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 @pytest.mark.parametrize("arch", ["llava-next", "qwen2-audio"])

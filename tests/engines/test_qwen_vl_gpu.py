@@ -11,7 +11,6 @@ Skipped without a CUDA GPU (run on the device machine: ``pytest -m gpu tests/eng
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 from pathlib import Path
 from typing import Any
@@ -19,19 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-
-def _has_cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda unavailable)"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 STEPS = 12
 

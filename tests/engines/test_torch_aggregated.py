@@ -7,11 +7,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import os
-import signal
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -20,7 +16,7 @@ import pytest
 from easerve_runtime.api import parse_spec
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.workers.aggregated import AggregatedWorker
-from easerve_runtime.workers.launcher import free_port
+from serve_process import serve_process
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_torch_epd import reference_for, request  # noqa: E402 - the E/P/D test's requests and reference
@@ -154,31 +150,9 @@ spec:
 @pytest.fixture(scope="module")
 def served(llava: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("torch-agg")
-    (tmp / "spec.yaml").write_text(SPEC.format(path=llava))
-    port = free_port()
-    env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="1536", OMP_NUM_THREADS="1")
-    logpath = tmp / "serve.log"
-    with open(logpath, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(tmp / "spec.yaml"), "--port", str(port),
-             "--workdir", str(tmp / "wd")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    deadline = time.monotonic() + 400
-    try:
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp / "wd").glob("*.log"))
-                raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-2000:]}\n{logs}")
-            time.sleep(0.5)
+    env = {"EASERVE_DEVICE": "cpu", "EASERVE_TORCH_MAX_LEN": "1536", "OMP_NUM_THREADS": "1"}
+    with serve_process(SPEC.format(path=llava), tmp, env) as (port, _wd):
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def test_easerve_serve_aggregated_answers_openai_like_generate(served: str, llava: Path, reference: Any) -> None:

@@ -16,8 +16,6 @@ import io
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -27,7 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from easerve_runtime.workers.launcher import free_port
+from serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -73,32 +71,9 @@ def served(request: pytest.FixtureRequest, model_dirs: dict[str, Path],
            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     ratio = float(request.param)
     tmp = tmp_path_factory.mktemp(f"torch-local-{ratio}")
-    spec = tmp / "spec.yaml"
-    spec.write_text(SPEC.format(path=model_dirs["llava-next"], ratio=ratio))
-    port = free_port()
-    env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="1536", OMP_NUM_THREADS="1")
-    logpath = tmp / "serve.log"
-    with open(logpath, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(spec), "--port", str(port),
-             "--workdir", str(tmp / "wd")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    deadline = time.monotonic() + 400
-    try:
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp / "wd").glob("*.log"))
-                raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-2000:]}\n{logs}")
-            time.sleep(0.5)
-        yield Served(f"http://127.0.0.1:{port}", tmp / "wd", ratio)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    env = {"EASERVE_DEVICE": "cpu", "EASERVE_TORCH_MAX_LEN": "1536", "OMP_NUM_THREADS": "1"}
+    with serve_process(SPEC.format(path=model_dirs["llava-next"], ratio=ratio), tmp, env) as (port, wd):
+        yield Served(f"http://127.0.0.1:{port}", wd, ratio)
 
 
 def _image() -> Any:

@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import base64
 import io
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from easerve_runtime.workers.launcher import free_port
+from serve_process import serve_process
 
 pytestmark = pytest.mark.slow
 openai = pytest.importorskip("openai")
@@ -56,33 +52,10 @@ def served(model_dirs: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 def serve(model_dir: Path, model: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """``easerve serve`` of the tiny-model spec as a subprocess; yields its OpenAI base URL."""
     tmp = tmp_path_factory.mktemp("torch-serve")
-    spec = tmp / "spec.yaml"
-    spec.write_text(SPEC.format(path=model_dir, **model))
-    port = free_port()
-    env = dict(os.environ, EASERVE_DEVICE="cpu", EASERVE_TORCH_MAX_LEN="1536", OMP_NUM_THREADS="1")
-    logpath = tmp / "serve.log"
-    with open(logpath, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(spec), "--port", str(port),
-             "--workdir", str(tmp / "wd")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    deadline = time.monotonic() + 400
-    try:
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp / "wd").glob("*.log"))
-                raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-2000:]}\n{logs}")
-            time.sleep(0.5)
-        _WORKDIR["wd"] = tmp / "wd"
+    env = {"EASERVE_DEVICE": "cpu", "EASERVE_TORCH_MAX_LEN": "1536", "OMP_NUM_THREADS": "1"}
+    with serve_process(SPEC.format(path=model_dir, **model), tmp, env) as (port, wd):
+        _WORKDIR["wd"] = wd
         yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def image_url() -> str:

@@ -4,24 +4,11 @@ compute the same function, the engine honours the protocol. Skipped without a CU
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 
 import pytest
 from easerve_runtime.engines.base import EncodeInput, MediaPart
 
-
-def _has_cuda() -> bool:
-    if importlib.util.find_spec("torch") is None:
-        return False
-    import torch
-
-    return bool(torch.cuda.is_available())
-
-
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA GPU (torch.cuda unavailable)"),
-]
+pytestmark = pytest.mark.gpu  # skipped without CUDA (tests/conftest.py)
 
 
 def test_detect_and_pool_levels_are_disjoint_splits() -> None:

@@ -6,11 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,9 +19,9 @@ from easerve_runtime.engines.sim import SimEngine, token_at
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.topology import plan
 from easerve_runtime.workers.aggregated import AggregatedWorker
-from easerve_runtime.workers.launcher import free_port
 from easerve_runtime.workers.wire import part_to_wire
 from pydantic import ValidationError
+from serve_process import serve_process
 
 BASE: dict[str, Any] = {
     "model": {"name": "llava-hf/llava-v1.6-34b-hf", "modality": "image", "encoder": "clip-vit-l-336"},
@@ -191,31 +188,9 @@ spec:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]]:
     tmp = tmp_path_factory.mktemp("agg-serve")
-    (tmp / "spec.yaml").write_text(SERVE_SPEC)
-    port = free_port()
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP="10", EASERVE_SIM_BYTES_SCALE="0.01")
-    logpath = tmp / "serve.log"
-    with open(logpath, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(tmp / "spec.yaml"), "--port", str(port),
-             "--workdir", str(tmp / "wd")],
-            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-        )
-    deadline = time.monotonic() + 120
-    try:
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                logs = "".join(p.read_text(errors="replace")[-1500:] for p in (tmp / "wd").glob("*.log"))
-                raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-2000:]}\n{logs}")
-            time.sleep(0.3)
-        yield f"http://127.0.0.1:{port}", tmp / "wd"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+    env = {"EASERVE_SIM_SPEEDUP": "10", "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    with serve_process(SERVE_SPEC, tmp, env, timeout_s=120) as (port, wd):
+        yield f"http://127.0.0.1:{port}", wd
 
 
 @pytest.mark.slow

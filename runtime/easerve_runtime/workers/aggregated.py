@@ -32,10 +32,8 @@ so the frontend talks to it unchanged.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -52,9 +50,9 @@ from easerve_runtime.engines.base import (
 )
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.aggregated import AggregatedPlanner, Iteration
-from easerve_runtime.workers.decode import STATS_ENV, STATS_EVERY_S
 from easerve_runtime.workers.dynamo_rt import on_context_stop
 from easerve_runtime.workers.encode import embedding_array
+from easerve_runtime.workers.stats_file import StatsFile
 from easerve_runtime.workers.wire import part_from_wire, request_meta
 
 log = logging.getLogger("easerve.aggregated")
@@ -116,9 +114,7 @@ class AggregatedWorker:
                                              "loop_s": 0.0, "admitted": 0, "encode_s": 0.0, "prefill_s": 0.0,
                                              "decode_s": 0.0}
         """Cumulative: ``step_s`` whole iterations, ``admit_s`` joining decode slots, per phase the rest."""
-        d = os.environ.get(STATS_ENV)
-        self._stats_path = os.path.join(d, f"decode-{os.getpid()}.json") if d else None
-        self._stats_at = 0.0
+        self._stats = StatsFile("aggregated")
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, engines: tuple[Any, Any, Any], metrics: Metrics) -> AggregatedWorker:
@@ -230,19 +226,9 @@ class AggregatedWorker:
             self._write_stats(t1)
 
     def _write_stats(self, now: float, force: bool = False) -> None:
-        if self._stats_path is None or (not force and now - self._stats_at < STATS_EVERY_S):
-            return
-        self._stats_at = now
-        doc = {"t": time.time(), "running": len(self._running), "waiting": self.planner.waiting,
-               "loop": dict(self.loop_stats), "engine": getattr(self.decoder, "stats", None)}
-        try:
-            tmp = self._stats_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self._stats_path)
-        except (OSError, TypeError, ValueError) as exc:  # statistics never stop serving
-            log.warning("aggregated stats not written: %s", exc)
-            self._stats_path = None
+        self._stats.write(now, lambda: {"running": len(self._running), "waiting": self.planner.waiting,
+                                        "loop": dict(self.loop_stats), "engine": getattr(self.decoder, "stats", None)},
+                          force)
 
     def _reap(self) -> None:
         """Requests whose caller went away: out of the queue, or out of the decode batch."""

@@ -23,11 +23,9 @@ engine's own counters (``stats``), cumulative (benchmarks take differences).
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import mmap
-import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -38,6 +36,7 @@ from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.decode_admission import DecodeAdmission
 from easerve_runtime.workers.blobs import HostBlobs
 from easerve_runtime.workers.dynamo_rt import on_context_stop
+from easerve_runtime.workers.stats_file import StatsFile
 from easerve_runtime.workers.wire import b64d
 
 log = logging.getLogger("easerve.decode")
@@ -46,8 +45,6 @@ Entry = tuple[DecodeSequence, "asyncio.Queue[Any]", float]  # (sequence, its tok
 _STOPPED = object()
 """Put in a request's queue when its Dynamo context is stopped or killed by the caller."""
 
-STATS_ENV = "EASERVE_DECODE_STATS"
-STATS_EVERY_S = 2.0
 
 
 class DecodeWorker:
@@ -88,9 +85,7 @@ class DecodeWorker:
         """Requests whose caller went away, until the loop has dropped them (``_cancel``)."""
         self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
                                              "loop_s": 0.0, "admitted": 0}
-        d = os.environ.get(STATS_ENV)
-        self._stats_path = os.path.join(d, f"decode-{os.getpid()}.json") if d else None
-        self._stats_at = 0.0
+        self._stats = StatsFile("decode")
 
     @classmethod
     def for_spec(cls, spec: EPDDeploymentSpec, engine: DecodeEngine, metrics: Metrics) -> DecodeWorker:
@@ -228,19 +223,9 @@ class DecodeWorker:
                 break
 
     def _write_stats(self, now: float, force: bool = False) -> None:
-        if self._stats_path is None or (not force and now - self._stats_at < STATS_EVERY_S):
-            return
-        self._stats_at = now
-        doc = {"t": time.time(), "running": len(self._running), "waiting": self.admission.waiting,
-               "loop": dict(self.loop_stats), "engine": getattr(self.engine, "stats", None)}
-        try:
-            tmp = self._stats_path + ".tmp"
-            with open(tmp, "w") as f:
-                json.dump(doc, f)
-            os.replace(tmp, self._stats_path)
-        except (OSError, TypeError, ValueError) as exc:  # statistics never stop decoding
-            log.warning("decode stats not written: %s", exc)
-            self._stats_path = None
+        self._stats.write(now, lambda: {"running": len(self._running), "waiting": self.admission.waiting,
+                                        "loop": dict(self.loop_stats), "engine": getattr(self.engine, "stats", None)},
+                          force)
 
     async def run(self) -> None:
         ls = self.loop_stats
