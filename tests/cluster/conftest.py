@@ -106,9 +106,12 @@ class PodsCluster:
             if handled:
                 return
             log = self.work / "operator.log"
-            tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:]) if log.exists() else ""
+            lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+            found = self.kubectl("api-resources", "--api-group", "easerve.io", "-o", "name")
             print(f"pods_cluster: the operator did not handle {ns}/{name} in {timeout:.0f} s "
-                  f"(attempt {attempt}); restarting it. Its log ends:\n{tail}", file=sys.stderr)
+                  f"(attempt {attempt}); restarting it. API discovery of easerve.io: "
+                  f"{(found.stdout or found.stderr).strip()!r}. Its log begins:\n" + "\n".join(lines[:30])
+                  + "\n...and ends:\n" + "\n".join(lines[-20:]), file=sys.stderr)
             self.kill_operator()
             self.start_operator()
         raise RuntimeError(f"the operator handled no object in {attempts} attempts; see {self.work}")
@@ -253,6 +256,20 @@ def pods_cluster() -> Iterator[PodsCluster]:
         yield c
 
 
+def wait_discovered(cluster: Any, timeout: float = 60.0) -> None:
+    """Wait until API discovery lists the EPDDeployment resource, not only until the CRD is
+    Established: kopf finds the resources it watches through discovery when it starts, and an
+    operator started before discovery listed the CRD was seen to handle nothing at all (twice, on
+    the first local cluster of a fresh machine; a hypothesis this rules out)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        r = cluster.kubectl("api-resources", "--api-group", "easerve.io", "-o", "name")
+        if "epddeployments" in (r.stdout or ""):
+            return
+        time.sleep(0.5)
+    raise TimeoutError(f"API discovery did not list easerve.io/epddeployments within {timeout:.0f} s")
+
+
 @contextlib.contextmanager
 def running_pods_cluster() -> Iterator[PodsCluster]:
     """The fixture's body, usable from a script (``with running_pods_cluster() as c: ...``)."""
@@ -267,6 +284,7 @@ def running_pods_cluster() -> Iterator[PodsCluster]:
         from easerve_operator.commands.crd import apply_crd
 
         apply_crd(cluster.kubeconfig)
+        wait_discovered(cluster)
         start_harness(cluster, processes=True, root=str(work / "pods"), readiness_period_s=0.5, backoff_s=1.0)
         health = free_port()
         env = {**os.environ, "KUBECONFIG": cluster.kubeconfig, "PYTHONUNBUFFERED": "1",
