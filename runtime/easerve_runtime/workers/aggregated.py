@@ -53,7 +53,7 @@ from easerve_runtime.policies.aggregated import AggregatedPlanner, Iteration
 from easerve_runtime.workers.dynamo_rt import on_context_stop
 from easerve_runtime.workers.encode import embedding_array
 from easerve_runtime.workers.stats_file import StatsFile
-from easerve_runtime.workers.wire import part_from_wire, request_meta
+from easerve_runtime.workers.wire import media_tokens_for, part_from_wire, request_meta
 
 log = logging.getLogger("easerve.aggregated")
 
@@ -137,7 +137,10 @@ class AggregatedWorker:
             kv_bytes = profile.kv_bytes
         mm = getattr(enc, "mm_tokens", None)
         if not callable(mm):
-            mm = _media_tokens(spec)
+            part_tokens = media_tokens_for(spec)
+
+            def mm(parts: Sequence[MediaPart]) -> int:
+                return sum(part_tokens(p) for p in parts)
         return cls(
             enc, pre, dec, metrics, token_budget=agg.token_budget, max_sequences=d.max_sequences,
             kv_capacity_bytes=capacity, kv_bytes=kv_bytes, mm_tokens=mm,
@@ -397,16 +400,3 @@ class AggregatedWorker:
                 self._fail(r, f"decode admission failed: {exc}")
                 return
         self._running.append(r)
-
-
-def _media_tokens(spec: EPDDeploymentSpec) -> Callable[[Sequence[MediaPart]], int]:
-    """Embedding rows of a request's media by the model's patching (``workload.media``), for
-    admission before encode has run (the processor's own count replaces it after)."""
-    from easerve_runtime.workload.media import is_anyres, items_tokens
-
-    anyres = is_anyres(spec.model.name)
-
-    def tokens(parts: Sequence[MediaPart]) -> int:
-        return sum(int(items_tokens(p.kind, dict(p.media), anyres=anyres)[1]) for p in parts)
-
-    return tokens

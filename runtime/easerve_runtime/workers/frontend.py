@@ -36,7 +36,6 @@ from typing import Any
 from aiohttp import web
 
 from easerve_runtime.api import RuntimeConfig
-from easerve_runtime.engines.base import MediaPart
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.admission import Admission, AdmissionQueue, queue_bound
 from easerve_runtime.workers.openai import (
@@ -48,7 +47,7 @@ from easerve_runtime.workers.openai import (
     prescreen,
 )
 from easerve_runtime.workers.pool import StageError, StagePool
-from easerve_runtime.workers.wire import part_to_wire
+from easerve_runtime.workers.wire import media_tokens_for, part_to_wire
 
 log = logging.getLogger("easerve.frontend")
 
@@ -96,21 +95,6 @@ def load_api_keys(environ: dict[str, str] | None = None) -> list[bytes]:
         text = env[API_KEYS_ENV]
     keys = [k.strip() for k in text.replace(",", "\n").splitlines() if k.strip()]
     return [hashlib.sha256(k.encode()).digest() for k in keys]
-
-
-def media_tokens_for(cfg: RuntimeConfig) -> Callable[[MediaPart], int]:
-    """LLM tokens of one media part, by the model's own patching (``workload.media``)."""
-    from easerve_runtime.workload.media import is_anyres, items_tokens
-
-    modality = str(cfg.spec.model.modality)
-    anyres = is_anyres(cfg.spec.model.name)
-
-    del modality  # the part's own kind decides (a video deployment also takes images)
-
-    def tokens(part: MediaPart) -> int:
-        return int(items_tokens(part.kind, dict(part.media), anyres=anyres)[1])
-
-    return tokens
 
 
 FRONTENDS_ENV = "EASERVE_FRONTENDS"
@@ -169,7 +153,7 @@ class Frontend:
                 f"spec.auth.apiKeySecret is {self.spec.auth.api_key_secret!r} but no keys were found "
                 f"(${API_KEYS_FILE_ENV} or ${API_KEYS_ENV})"
             )
-        self.media_tokens = media_tokens_for(cfg)
+        self.media_tokens = media_tokens_for(cfg.spec)
         self._openapi = openapi_document(self.spec.served_model_name)
         log.info("admission queue: %d requests (capacity %.2f req/s)", bound, cap)
         self.tokenizer: Any = None

@@ -38,9 +38,13 @@ the request plane carries JSON-like objects.
 from __future__ import annotations
 
 import base64
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from easerve_runtime.engines.base import MediaPart
+
+if TYPE_CHECKING:
+    from easerve_runtime.api import EPDDeploymentSpec
 
 
 def b64e(data: bytes) -> str:
@@ -78,3 +82,17 @@ def request_meta(req: dict[str, Any], mm_tokens: int) -> dict[str, Any]:
     if req.get("ignore_eos"):  # generate max_tokens whatever they are (benchmarks)
         meta["ignore_eos"] = True
     return meta
+
+
+def media_tokens_for(spec: EPDDeploymentSpec) -> Callable[[MediaPart], int]:
+    """LLM tokens of one media part by the model's own patching (``workload.media``), before any
+    encoder has run: what the frontend's prompt limit and the aggregated worker's admission count.
+    The part's own kind decides (a video deployment also takes images)."""
+    from easerve_runtime.workload.media import is_anyres, items_tokens
+
+    anyres = is_anyres(spec.model.name)
+
+    def tokens(part: MediaPart) -> int:
+        return int(items_tokens(part.kind, dict(part.media), anyres=anyres)[1])
+
+    return tokens
