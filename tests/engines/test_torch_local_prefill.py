@@ -197,10 +197,10 @@ def test_a_killed_encode_process_errors_its_requests_and_is_restarted(served: Se
             os.kill(victim["pid"], signal.SIGKILL)
         return False
 
-    t0 = time.monotonic()
+    # an explicit SSE error object (a silent stream would end in the client's socket timeout instead)
     got, error, done = _stream_tokens(served, 1300, kill_at_third)
     assert error is not None and not done, (got, error, done)
-    assert got < 1300 and time.monotonic() - t0 < 60
+    assert got < 1300
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and served.encode()["restarts"] < 1:
         time.sleep(0.5)
