@@ -75,15 +75,14 @@ SYSTEMS: dict[str, dict[str, Any]] = {
         "smPartition": {"mode": "none"},
         "env": {"EASERVE_GPU_DECODE": "0"},
     },
-    "easerve-own-process": {  # easerve with its local prefill in a process of its own (the layout before
-        # the one-process encode + local prefill): the A/B of spec.smPartition.localPrefill
-        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
-        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
-        "offload": {"ratio": 0.0},
-        "smPartition": {"mode": "dynamic", "backend": "green-context", "localPrefill": "own-process"},
-        "env": {},
-    },
     "aggregated": {"mode": "aggregated", "env": {}},
+}
+
+
+SYSTEMS["easerve-own-process"] = {  # easerve with its local prefill in a process of its own (the layout
+    # before the one-process encode + local prefill): the A/B of spec.smPartition.localPrefill
+    **SYSTEMS["easerve"],
+    "smPartition": {**SYSTEMS["easerve"]["smPartition"], "localPrefill": "own-process"},
 }
 
 
