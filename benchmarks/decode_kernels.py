@@ -11,7 +11,9 @@ Per batch ``b`` (``--batches``), on random weights from ``easerve model init --s
 - **ours**: ``HFDecodeEngine`` slots filled at context ``C`` (``gpu_engine.fill_slots``), one
   engine step run so the graph for (bucket b, K/V length bucket) is captured; then the replay
   alone is timed (CUDA events, median of ``--steps``) and ``--profile-steps`` replays profiled.
-  Variants, timed only (``--no-variants`` skips them): ``stock_sdpa`` (the library's own SDPA
+  Variants, timed only (``--no-variants`` skips them): ``slot_masked_sdpa`` (our folded
+  attention through SDPA under the per-row mask: the decode kernel before the split-KV one),
+  ``stock_sdpa`` (the library's own SDPA
   attention with our 4-D mask: ``repeat_kv`` + a masked kernel) and ``gqa_nomask`` (the
   library's SDPA with the mask dropped, so it takes ``enable_gqa`` and the flash kernel; the
   rows attend the whole K/V bucket: a timing what-if, not a correct step for mixed lengths).
@@ -355,9 +357,12 @@ def _ours_batch(args: argparse.Namespace, eng: Any, kv_len: int, b: int, r: Save
         row["ours_variants"] = {"skipped": f"past {args.variants_until_s:.0f} s of the run"}
         return
     var: dict[str, Any] = {}
-    for vname, impl in (("stock_sdpa", "sdpa"), ("gqa_nomask", NOMASK_ATTENTION)):
+    kernel = hf._decode_kernel
+    for vname, impl, kern in (("slot_masked_sdpa", hf.SLOT_ATTENTION, "sdpa"), ("stock_sdpa", "sdpa", kernel),
+                              ("gqa_nomask", NOMASK_ATTENTION, kernel)):
         try:
             lm_cfg._attn_implementation = impl
+            hf.set_decode_attention_kernel(kern)
             eng._graphs.clear()
             eng.cuda_graphs = cuda()
             ge._steps(eng, ge.fill_slots(eng, b, ctx), 1, ctx)  # captures the variant's graph
@@ -367,9 +372,11 @@ def _ours_batch(args: argparse.Namespace, eng: Any, kv_len: int, b: int, r: Save
             var[vname] = {"error": repr(exc)[:300]}
         finally:
             lm_cfg._attn_implementation = hf.SLOT_ATTENTION
+            hf.set_decode_attention_kernel(kernel)
             eng._graphs.clear()
         ge.log(f"ours b{b} variant {vname}: {var[vname]} ms")
-    var["note"] = ("replay ms with the decode attention swapped: stock_sdpa = the library's SDPA with our 4-D mask "
+    var["note"] = ("replay ms with the decode attention swapped: slot_masked_sdpa = our folded GQA attention "
+                   "through SDPA under the per-row mask (the kernel before split-KV); stock_sdpa = the library's SDPA with our 4-D mask "
                    "(repeat_kv + masked kernel); gqa_nomask = the library's SDPA without a mask (enable_gqa, flash; "
                    "attends the whole bucket: timing only)")
     row["ours_variants"] = var

@@ -34,11 +34,15 @@ fi
 # that already has one). Cached in the venv by a stamp, like the project install above.
 TORCH_REQ=${EASERVE_TORCH:-torch==2.13.0}
 TF_REQ='transformers>=5.17,<5.18'
+# Triton: the decode attention and sampling kernels (engines/decode_attention.py, gumbel_argmax.py).
+# CUDA builds of torch bring their own (already satisfied); on a CPU the tests run the same kernels
+# under Triton's interpreter.
+TRITON_REQ='triton>=3.2'
 tstamp=$VENV/.easerve-torch
-twant="$TORCH_REQ $TF_REQ"
+twant="$TORCH_REQ $TF_REQ $TRITON_REQ"
 if [ "$(cat "$tstamp" 2>/dev/null)" != "$twant" ]; then
-  say "installing $TORCH_REQ and $TF_REQ into $VENV (torch engine)"
-  "$VENV/bin/pip" install -q "$TORCH_REQ" "$TF_REQ"
+  say "installing $TORCH_REQ, $TF_REQ and $TRITON_REQ into $VENV (torch engine)"
+  "$VENV/bin/pip" install -q "$TORCH_REQ" "$TF_REQ" "$TRITON_REQ"
   echo "$twant" > "$tstamp"
 fi
 

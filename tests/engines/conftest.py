@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,3 +22,28 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         assert main(["model", "init", "--arch", arch, "--tiny", "-o", str(root / arch)]) == 0
         out[arch] = root / arch
     return out
+
+
+@pytest.fixture
+def triton_kernels() -> None:
+    """Our Triton kernels can run: without CUDA under Triton's interpreter (``TRITON_INTERPRET`` is
+    read when a kernel is defined, so it is set before a kernel module is first imported).
+    Skipped when Triton is not installed."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    pytest.importorskip("triton")
+
+
+@pytest.fixture
+def split_kv(triton_kernels: None) -> Iterator[None]:
+    """Decode attention through the Triton split-KV kernel (``engines/decode_attention.py``) for one test."""
+    from easerve_runtime.engines import hf
+
+    before = hf._decode_kernel
+    hf.set_decode_attention_kernel("split-kv")
+    try:
+        yield
+    finally:
+        hf.set_decode_attention_kernel(before)

@@ -37,6 +37,7 @@ Supported families: LLaVA-NeXT (image), Qwen2.5-VL (image) and Qwen2-Audio (audi
 from __future__ import annotations
 
 import asyncio
+import functools
 import io
 import logging
 import os
@@ -101,24 +102,39 @@ def _splitmix_int(x: int) -> int:
     return _to_i64(x ^ (x >> 31))
 
 
+def gumbel_keys(seeds: Sequence[int], positions: Sequence[int], device: Any) -> Any:
+    """Per row, the int64 key of its noise stream: a hash of the request's seed and the position."""
+    import torch
+
+    return torch.tensor(
+        [_splitmix_int(_splitmix_int(int(s) & _M64) ^ (int(p) & _M64)) for s, p in zip(seeds, positions, strict=True)],
+        dtype=torch.int64,
+        device=device,
+    )
+
+
 def gumbel_noise(seeds: Sequence[int], positions: Sequence[int], vocab: int, device: Any) -> Any:
     """Gumbel(0, 1) noise ``[rows, vocab]`` that is a pure function of (seed, position, token id).
 
     Counter-based (a hash, no generator state), so each row's draw depends only on its own request
     and position, never on which other requests share the batch, and the whole batch is made in
-    a few element-wise kernels on the device."""
+    a few element-wise kernels on the device (on CUDA, ``gumbel_argmax.py`` makes the same noise
+    inside its argmax instead)."""
     import torch
 
     # SplitMix64 as a generator: the stream of (seed, position) is finaliser(key + i * golden)
-    key = torch.tensor(
-        [_splitmix_int(_splitmix_int(int(s) & _M64) ^ (int(p) & _M64)) for s, p in zip(seeds, positions, strict=True)],
-        dtype=torch.int64,
-        device=device,
-    )
+    key = gumbel_keys(seeds, positions, device)
     ids = torch.arange(1, vocab + 1, dtype=torch.int64, device=device)
     x = _splitmix(key[:, None] + ids[None, :] * _to_i64(0x9E3779B97F4A7C15))
     u = (_srl(x, 11).double() + 0.5) / float(1 << 53)  # in (0, 1)
     return -torch.log(-torch.log(u))
+
+
+def _fused_sampling(device: Any) -> bool:
+    """Draw with the one-kernel Gumbel argmax (``gumbel_argmax.py``): on CUDA, when Triton imports,
+    unless ``EASERVE_FUSED_SAMPLING=0``."""
+    return getattr(device, "type", str(device)).startswith("cuda") and os.environ.get(
+        "EASERVE_FUSED_SAMPLING", "1") != "0" and _triton_available()
 
 
 def sample_rows(logits: Any, samplings: Sequence[Sampling | None], positions: Sequence[int]) -> list[int]:
@@ -155,8 +171,13 @@ def sample_rows_tensor(logits: Any, samplings: Sequence[Sampling | None], positi
         drop_sorted[:, 0] = False  # the most likely token always stays
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         scaled = scaled.masked_fill(drop, float("-inf"))
-    g = gumbel_noise([ss[i].seed for i in hot], [positions[i] for i in hot], vocab, dev)
-    drawn = (scaled.double() + g).argmax(-1)
+    seeds, at = [ss[i].seed for i in hot], [positions[i] for i in hot]
+    if _fused_sampling(dev):
+        from .gumbel_argmax import gumbel_argmax
+
+        drawn = gumbel_argmax(scaled, gumbel_keys(seeds, at, dev))
+    else:
+        drawn = (scaled.double() + gumbel_noise(seeds, at, vocab, dev)).argmax(-1)
     out = greedy.clone()
     out[h] = drawn
     return out
@@ -863,13 +884,26 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     that share a KV head are just more query rows of that head: ``[n, kv_heads, groups, d]``
     attends to ``[n, kv_heads, L, d]`` under the same per-row mask, which is the same
     computation. Anything else (prefill, no mask, no GQA) goes to transformers' own SDPA.
+
+    When the step passes each row's length (``KV_LENGTHS_KWARG``) and the split-KV kernel is
+    chosen (the default on CUDA), the mask is not used at all: ``decode_attention.py`` reads each
+    row's own prefix only, split over the SMs (the masked SDPA kernels cannot split one row).
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = int(getattr(module, "num_key_value_groups", 1))
+    lengths = kwargs.get(KV_LENGTHS_KWARG)
+    if query.shape[2] == 1 and lengths is not None and not dropout and _use_split_kv(query):
+        from .decode_attention import split_kv_decode_attention
+
+        n, heads, _, d = query.shape
+        q = query.reshape(n, key.shape[1], groups, d)
+        scale = scaling if scaling is not None else d ** -0.5
+        out = split_kv_decode_attention(q, key, value, lengths, scale)
+        return out.reshape(n, heads, 1, d).transpose(1, 2).contiguous(), None
     if query.shape[2] != 1 or groups == 1 or attention_mask is None or dropout:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, **kwargs)
+                                      scaling=scaling, **_library_kwargs(kwargs))
     n, heads, _, d = query.shape
     kv_heads = key.shape[1]
     q = query.reshape(n, kv_heads, groups, d)  # query head h uses KV head h // groups (repeat_kv's order)
@@ -877,19 +911,46 @@ def slot_decode_attention(module: Any, query: Any, key: Any, value: Any, attenti
     return out.reshape(n, heads, 1, d).transpose(1, 2).contiguous(), None
 
 
-DECODE_ATTENTION_KERNELS = ("sdpa", "math", "sdpa-efficient", "sdpa-cudnn")
-_decode_kernel = os.environ.get("EASERVE_DECODE_ATTN", "sdpa")
+KV_LENGTHS_KWARG = "easerve_kv_lengths"
+"""The keyword by which a decode step passes each row's attended length (its position + 1) down
+through the model's forward to the attention function, next to the 4-D mask."""
+
+
+def _library_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in kwargs.items() if k != KV_LENGTHS_KWARG}
+
+
+DECODE_ATTENTION_KERNELS = ("auto", "split-kv", "sdpa", "math", "sdpa-efficient", "sdpa-cudnn")
+_decode_kernel = os.environ.get("EASERVE_DECODE_ATTN", "auto")
 
 
 def set_decode_attention_kernel(name: str) -> None:
-    """Which kernel the folded decode attention runs (benchmarks compare them; CUDA graphs captured
-    before a change keep the kernel they were captured with): ``sdpa`` (torch picks), ``math``
-    (two batched matmuls and a float32 softmax), ``sdpa-efficient`` / ``sdpa-cudnn`` (one SDPA
-    backend forced). All compute the same attention."""
+    """Which kernel the decode attention runs (benchmarks compare them; CUDA graphs captured
+    before a change keep the kernel they were captured with): ``auto`` (``split-kv`` on a CUDA
+    device when Triton imports, else ``sdpa``), ``split-kv`` (``decode_attention.py``: Triton
+    flash-decoding over each row's own length, no mask; on a CPU only under
+    ``TRITON_INTERPRET=1``), ``sdpa`` (torch picks, under the mask), ``math`` (two batched
+    matmuls and a float32 softmax), ``sdpa-efficient`` / ``sdpa-cudnn`` (one SDPA backend
+    forced). All compute the same attention."""
     global _decode_kernel
     if name not in DECODE_ATTENTION_KERNELS:
         raise ValueError(f"decode attention kernel {name!r}: one of {', '.join(DECODE_ATTENTION_KERNELS)}")
     _decode_kernel = name
+
+
+@functools.cache
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except Exception:  # CPU builds of torch come without it
+        return False
+    return True
+
+
+def _use_split_kv(query: Any) -> bool:
+    if _decode_kernel == "split-kv":
+        return _triton_available()
+    return _decode_kernel == "auto" and query.is_cuda and _triton_available()
 
 
 def _folded_attention(q: Any, key: Any, value: Any, mask: Any, scaling: float | None) -> Any:
@@ -1240,7 +1301,7 @@ class HFDecodeEngine(_Stage):
         cache = SlotCache(self.k, self.v, n, pos, kv_len)
         emb = lm.get_input_embeddings()(ids[:, None])
         h = lm(inputs_embeds=emb, position_ids=rope_pos[:, None], attention_mask=mask, past_key_values=cache,
-               use_cache=True).last_hidden_state
+               use_cache=True, **{KV_LENGTHS_KWARG: pos + 1}).last_hidden_state
         return self.model.lm_head(h[:, -1])
 
     def _bucket(self, n: int) -> int:
