@@ -36,7 +36,8 @@ def _decode_attn_split_kernel(Q, K, V, Lens, Acc, Mx, Sm,
                   sq_b, sq_h, sq_g, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t,
                   sa_b, sa_h, sa_s, sa_g, sm_b, sm_h, sm_s,
                   scale, chunk,
-                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+                  G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                              PREC: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
@@ -53,14 +54,14 @@ def _decode_attn_split_kernel(Q, K, V, Lens, Acc, Mx, Sm,
         n = off + tl.arange(0, BLOCK)
         valid = n < end
         k = tl.load(K + b * sk_b + h * sk_h + n[:, None] * sk_t + d[None, :], mask=valid[:, None], other=0.0)
-        qk = tl.dot(q, tl.trans(k)) * scale
+        qk = tl.dot(q, tl.trans(k), input_precision=PREC) * scale
         qk = tl.where(valid[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp(m_i - m_new)  # the first tile: exp(-inf) = 0, the empty running sum vanishes
         p = tl.exp(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V + b * sv_b + h * sv_h + n[:, None] * sv_t + d[None, :], mask=valid[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PREC)
         m_i = m_new
     # an empty split (it starts past the row's length) leaves max -inf, sum 0, acc 0: the merge drops it
     tl.store(Acc + b * sa_b + h * sa_h + s * sa_s + g[:, None] * sa_g + d[None, :], acc)
@@ -143,7 +144,9 @@ def split_kv_decode_attention(q: Any, key: Any, value: Any, lengths: Any, scale:
         q.stride(0), q.stride(1), q.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2),
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
-        scale, chunk, G=groups, G_PAD=g_pad, D=d, BLOCK=BLOCK_N, num_warps=4, num_stages=2)
+        scale, chunk, G=groups, G_PAD=g_pad, D=d, BLOCK=BLOCK_N,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32",  # float32 stays float32 (tests, CPU-exact models)
+        num_warps=4, num_stages=2)
     _decode_attn_merge_kernel[(n, kv_heads)](
         acc, mx, sm, out,
         acc.stride(0), acc.stride(1), acc.stride(2), acc.stride(3), mx.stride(0), mx.stride(1), mx.stride(2),
