@@ -36,6 +36,8 @@ def test_kernel_names_fall_in_their_categories() -> None:
         "void at::native::vectorized_elementwise_kernel<4, at::native::cos_kernel_cuda(at::TensorIteratorBase&)>": "rotary",
         "void at::native::(anonymous namespace)::CatArrayBatchedCopy<at::native::(anonymous namespace)::OpaqueType<2>>": "rotary",
         "void at::native::reduce_kernel<512, 1, at::native::ReduceOp<float, at::native::ArgMaxOps<float>>>": "softmax/sampling",
+        "_decode_attn_split_kernel": "attention",  # ours (engines/decode_attention.py)
+        "_decode_attn_merge_kernel": "attention",
         "void at::native::index_elementwise_kernel<128, 4, at::native::gpu_index_kernel<index_put_kernel_impl>>": "elementwise/copy/index",
         "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<c10::BFloat16>>": "elementwise/copy/index",
         "Memcpy DtoD (Device -> Device)": "elementwise/copy/index",

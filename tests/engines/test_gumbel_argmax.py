@@ -6,6 +6,12 @@ Without CUDA the kernel runs under Triton's interpreter (the ``triton_kernels`` 
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 
@@ -44,3 +50,16 @@ def test_sampling_on_a_gpu_takes_the_fused_draw_and_keeps_its_tokens(triton_kern
     fused = hf.sample_rows(logits, ss, [3, 4, 5, 6, 7])
     monkeypatch.setenv("EASERVE_FUSED_SAMPLING", "0")
     assert hf.sample_rows(logits, ss, [3, 4, 5, 6, 7]) == fused
+
+
+def test_the_sampling_benchmark_smoke_writes_both_forms_side_by_side(tmp_path: Path) -> None:
+    """``benchmarks/sampling.py --smoke`` (CPU, Triton's interpreter): both forms per point, JSON and plot."""
+    pytest.importorskip("triton")
+    repo = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, str(repo / "benchmarks" / "sampling.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, capture_output=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=300)
+    res = json.loads((tmp_path / "sampling.json").read_text())
+    assert {(p["setting"], p["rows"]) for p in res["points"]} == {(s, r) for s in ("temperature 1", "temperature 0.7, top-p 0.9",
+                                                                                  "greedy") for r in (1, 4)}
+    assert all(p["torch"] > 0 and p["fused"] > 0 for p in res["points"])
+    assert (tmp_path / "sampling.png").stat().st_size > 0

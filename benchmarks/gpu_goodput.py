@@ -1,0 +1,139 @@
+"""Goodput on real GPUs: EAServe against the Dynamo-style and aggregated baselines on the same engine,
+per SLO tier, over a ladder of rates, from runs of ``gpu_serve.py`` (issue 17, item 2).
+
+A GPU sweep is several device calls (a call is at most 10 minutes; four systems at three rates of
+300 requests do not fit one), each a ``gpu_serve.py`` run on the same machine and the same code,
+saved as ``benchmarks/results/gpu_serve_h200_<run><part>_300req.json`` (``run9``, ``run9b``, ...).
+This script merges the parts of one run into one table: per system, goodput per tier at each rate
+and the best-over-rates goodput at the moderate tier; EAServe's ratios to each baseline (best
+over rates, and rate by rate, where EAServe is the better of its measured layouts); and a plot.
+
+    # on the GPU machine, one call per group of systems (see docs/benchmarks.md, run 9):
+    python3 benchmarks/gpu_goodput.py --out $OUT/serve --systems easerve-own-process,dynamo-style --rates 3.5,5.5
+    # anywhere, no GPU: the committed runs' merged summary (default: the newest run)
+    python3 benchmarks/gpu_goodput.py --summary [--run run9] [--plot docs/img/gpu_goodput_run9.png]
+
+The baselines' configurations are fixed by ``gpu_serve.py`` (its docstring says which); the sweep
+over their configurations that the issue asks for is not part of these runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import gpu_serve  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "benchmarks" / "results"
+EASERVE = ("easerve", "easerve-own-process")
+BASELINES = ("dynamo-style", "aggregated")
+_RUN = re.compile(r"gpu_serve_h200_(run\d+)([a-z]?)_300req\.json$")
+
+
+def run_files(run: str | None) -> tuple[str, list[Path]]:
+    """The parts of ``run`` (default: the newest run with 300-request points)."""
+    found: dict[str, list[Path]] = {}
+    for f in sorted(glob.glob(str(RESULTS / "gpu_serve_h200_run*_300req.json"))):
+        m = _RUN.search(f)
+        if m:
+            found.setdefault(m.group(1), []).append(Path(f))
+    if not found:
+        raise SystemExit(f"no gpu_serve_h200_run*_300req.json under {RESULTS}")
+    name = run or max(found, key=lambda r: int(r[3:]))
+    if name not in found:
+        raise SystemExit(f"--run {name}: runs on record are {', '.join(sorted(found))}")
+    return name, found[name]
+
+
+def merge(run: str, files: list[Path]) -> dict[str, Any]:
+    """One summary over the parts of a run: every system's points, whichever part measured them."""
+    points: dict[str, dict[float, dict[str, Any]]] = {}
+    parts: dict[str, list[str]] = {}
+    meta: dict[str, Any] = {"run": run, "files": [str(f.relative_to(REPO)) for f in files]}
+    for f in files:
+        res = json.loads(f.read_text())
+        for k in ("model", "gpu", "host_gpus", "mps", "requests_per_point", "slo_scale"):
+            meta.setdefault(k, res.get(k))
+        for name, s in res.get("systems", {}).items():
+            for p in s.get("points", []):
+                if p["rate"] in points.setdefault(name, {}):
+                    raise SystemExit(f"{name} at {p['rate']} req/s appears in two parts of {run}")
+                points[name][p["rate"]] = p
+                parts.setdefault(name, []).append(f"{f.name}@{p['rate']}")
+    merged = {"systems": {n: {"points": list(ps.values())} for n, ps in points.items() if ps}}
+    systems = {n: s | {"parts": parts[n]} for n, s in gpu_serve.summarize([merged])["runs"][0]["systems"].items()}
+    rates = sorted({float(r) for s in systems.values() for r in s["throughput"]})
+    out: dict[str, Any] = meta | {"rates": rates, "systems": systems}
+    ours = [n for n in EASERVE if n in systems]
+    if not ours:
+        return out | {"ratios": {}}
+
+    def moderate(name: str, rate: float) -> float | None:  # unrounded, from the raw point
+        p = points[name].get(rate)
+        return gpu_serve.goodput_of(p, "moderate") if p else None
+
+    def best(name: str) -> float:
+        return max(gpu_serve.goodput_of(p, "moderate") for p in points[name].values())
+
+    best_ours = max(ours, key=best)
+    ratios: dict[str, Any] = {"easerve_layout": best_ours}
+    for base in (b for b in BASELINES if b in systems):
+        ratios[f"best_over_rates easerve/{base}"] = round(best(best_ours) / best(base), 2) if best(base) else None
+        per_rate = {}
+        for r in rates:
+            ours_r = [v for n in ours if (v := moderate(n, r)) is not None]
+            theirs = moderate(base, r)
+            if ours_r and theirs:
+                per_rate[str(r)] = round(max(ours_r) / theirs, 2)
+        ratios[f"per_rate easerve/{base}"] = per_rate
+    return out | {"ratios": ratios}
+
+
+def plot(summary: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tiers = ("strict", "tight", "moderate", "loose")
+    fig, axes = plt.subplots(1, len(tiers), figsize=(4.2 * len(tiers), 3.6), sharey=False)
+    for ax, tier in zip(axes, tiers, strict=True):
+        for name, s in summary["systems"].items():
+            pts = sorted((float(r), g) for r, g in s["goodput"].get(tier, {}).items())
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+        ax.set(title=f"{tier} tier", xlabel="offered rate (req/s)", ylabel="goodput (req/s)")
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{summary['run']}: {summary.get('model')} on {summary.get('gpu')} x{summary.get('host_gpus')}, "
+                 f"{summary.get('requests_per_point')} requests a point (measured)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--summary", action="store_true", help="merge the committed parts of one run; no GPU")
+    ap.add_argument("--run", default=None, help="which run (runN); default the newest")
+    ap.add_argument("--plot", default=None, help="with --summary: write the goodput-per-tier plot here")
+    args, rest = ap.parse_known_args(argv)
+    if args.summary:
+        name, files = run_files(args.run)
+        summary = merge(name, files)
+        if args.plot:
+            plot(summary, Path(args.plot))
+        print(json.dumps(summary, indent=1))
+        return 0
+    sys.argv = [sys.argv[0], "--requests", "300", *rest]  # a sweep point is 300 requests (issue 17)
+    return gpu_serve.main()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
