@@ -116,7 +116,7 @@ def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, A
     """``request_path_ms`` of each system's profile: the served TTFT p50 at zero load minus the twin's
     (the same requests, the profile without a path term). Writes it into the profile files."""
     from easerve_runtime.api import parse_spec
-    from easerve_runtime.sim import simulate
+    from easerve_runtime.sim import simulate, simulate_system
     from easerve_runtime.workload import generate
 
     run = json.loads(zero_load.read_text())
@@ -165,7 +165,7 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
     from easerve_runtime.api import parse_spec
-    from easerve_runtime.sim import simulate
+    from easerve_runtime.sim import simulate, simulate_system
     from easerve_runtime.workload import generate
 
     out: dict[str, Any] = {}
@@ -178,7 +178,12 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
         rows = []
         for p in pts:
             reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
-            res = simulate(spec, reqs, "easerve").summary
+            if spec.mode == "aggregated":  # the twin's aggregated replica, in the spec's own layout
+                agg = spec.aggregated
+                layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
+                res = simulate_system(spec, reqs, "aggregated", layout=layout).summary
+            else:
+                res = simulate(spec, reqs, "easerve").summary
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
