@@ -116,7 +116,7 @@ def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, A
     """``request_path_ms`` of each system's profile: the served TTFT p50 at zero load minus the twin's
     (the same requests, the profile without a path term). Writes it into the profile files."""
     from easerve_runtime.api import parse_spec
-    from easerve_runtime.sim import simulate, simulate_system
+    from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
     run = json.loads(zero_load.read_text())
@@ -127,7 +127,8 @@ def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, A
             (p,) = s["points"]
             spec = parse_spec(twin_spec(s["spec"], merged_profile(Path(t), profile, cpu_pre if target == cpu_pre else None,
                                                                    path_ms=0.0)))
-            res = simulate(spec, generate(spec, p["rate"], int(p["requests"]), BENCH_SEED), "easerve").summary
+            reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
+            res = simulate_system(spec, reqs, "easerve", host_gpus=run.get("host_gpus")).summary
             gap_ms = 1e3 * (p["ttft"]["p50"] - res["ttft"]["p50"])
             doc = json.loads(target.read_text())
             doc["engine"]["request_path_ms"] = round(max(0.0, gap_ms), 1)
@@ -165,7 +166,7 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
     from easerve_runtime.api import parse_spec
-    from easerve_runtime.sim import simulate, simulate_system
+    from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
     out: dict[str, Any] = {}
@@ -182,8 +183,8 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
                 agg = spec.aggregated
                 layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
                 res = simulate_system(spec, reqs, "aggregated", layout=layout).summary
-            else:
-                res = simulate(spec, reqs, "easerve").summary
+            else:  # the run's own host: its processes time-slice the GPUs they share (sim.timeslice)
+                res = simulate_system(spec, reqs, "easerve", host_gpus=run.get("host_gpus")).summary
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {

@@ -168,6 +168,18 @@ class Topology:
             for r in range(pod.replicas):
                 yield pod, r
 
+    def placed(self) -> Iterator[tuple[Pod, int, Process, tuple[int, ...]]]:
+        """Every process of every pod replica, in plan order, with the node GPU indices it runs on
+        (owned, then shared): pod replicas take consecutive GPUs of one node, as a scheduler
+        packing one node would, and as ``easerve serve`` places them on its host. The twin reads
+        the same placement to know which processes share a GPU on a host with fewer GPUs."""
+        next_gpu = 0
+        for pod, replica in self.replicas():
+            first = next_gpu
+            next_gpu += len({g for p in pod.processes for g in (*p.owns, *p.shares)})
+            for proc in pod.processes:
+                yield pod, replica, proc, tuple(first + g for g in (*proc.owns, *proc.shares))
+
 
 @dataclass(frozen=True)
 class Hardware:

@@ -45,6 +45,7 @@ from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
+from easerve_runtime.sim.timeslice import TimeSlicing
 from easerve_runtime.workload.request import Request, RequestRecord
 
 DEFAULT_PREFILL_TOKEN_BUDGET: int = PrefillSpec().max_batch_tokens
@@ -71,12 +72,25 @@ class Job:
 
 
 class Busy:
-    """Accumulates busy seconds for utilisation."""
+    """Accumulates busy seconds for utilisation; charges time-slicing on a shared GPU."""
 
-    __slots__ = ("busy_s",)
+    __slots__ = ("busy_s", "ts", "proc")
 
     def __init__(self) -> None:
         self.busy_s = 0.0
+        self.ts: TimeSlicing | None = None
+        """Set by ``run_pipeline`` when processes share host GPUs (``sim.timeslice``)."""
+        self.proc = ""
+        """This worker's pod replica (``timeslice.pod_key``)."""
+
+    def timesliced(self, dt: float) -> float:
+        """``dt`` of work dispatched now, as its pod pays for it on a time-sliced GPU (the same
+        ``dt`` on GPUs of its own); the pod is busy until it ends."""
+        if self.ts is None:
+            return dt
+        dt *= self.ts.dilation(self.proc)
+        self.ts.occupy(self.proc, self.ts.loop.now + dt)
+        return dt
 
 
 class DecodeWorker(Busy):
@@ -132,7 +146,7 @@ class DecodeWorker(Busy):
             self.stepping = False
             return
         self.stepping = True
-        dt = self.model.decode_step_s(n, self.ctx_sum, self.tp)
+        dt = self.timesliced(self.model.decode_step_s(n, self.ctx_sum, self.tp))
         self.busy_s += dt
         self.steps += 1
         self.batch_sum += n
@@ -216,12 +230,14 @@ class PrefillWorker(Busy):
         self.batches = 0
         self.tokens_sum = 0
         self.members: dict[int, tuple[float, float]] = {}
+        self.sliced = 1.0
+        """The batch in flight's time-slicing factor, fixed when it starts (``Busy.timesliced``)."""
 
     def _duration(self) -> float:
         n = len(self.batch)
         if self.local:
-            return self.model.local_prefill_s(self.tokens, self.share, n, self.tp) * self.dilation
-        return self.model.prefill_s(self.tokens, self.tp, 1.0, n)
+            return self.model.local_prefill_s(self.tokens, self.share, n, self.tp) * self.dilation * self.sliced
+        return self.model.prefill_s(self.tokens, self.tp, 1.0, n) * self.sliced
 
     @property
     def token_budget(self) -> int:
@@ -241,6 +257,7 @@ class PrefillWorker(Busy):
         self.batches += 1
         self.tokens_sum += tokens
         self._frac_left = 1.0
+        self.sliced = self.ts.dilation(self.proc) if self.ts is not None else 1.0
         self._schedule()
 
     def _schedule(self) -> None:
@@ -251,6 +268,8 @@ class PrefillWorker(Busy):
         self._version += 1
         if self._seg_dur != float("inf"):  # a zero share pauses the batch until the split changes
             self.loop.at(now + self._frac_left * self._seg_dur, self._done, self._version)
+            if self.ts is not None:
+                self.ts.occupy(self.proc, now + self._frac_left * self._seg_dur)
 
     def set_share(self, share: float, dilation: float = 1.0, member: int = 0) -> None:
         """The SM split on GPU ``member`` changed: re-time the remaining work of the batch in flight.
@@ -365,7 +384,7 @@ class EncodeWorker(Busy):
         items = sum(j.req.encoder_items for j in jobs)
         local_active = self.local is not None and bool(self.local.batch)
         share, dilation = self.shares.encode_share(items, local_active)
-        dt = self.model.encode_s(items, share) * dilation if items else 0.0
+        dt = self.timesliced(self.model.encode_s(items, share) * dilation) if items else 0.0
         self.busy = True
         self.batches += 1
         self.batch_sum += len(jobs)

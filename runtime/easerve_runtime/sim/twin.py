@@ -22,6 +22,7 @@ from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandoff, PrefillWorker
+from easerve_runtime.sim.timeslice import TimeSlicing, placement, pod_key
 from easerve_runtime.topology import Hardware, Process, Topology, plan
 from easerve_runtime.workload.request import Request
 
@@ -54,11 +55,14 @@ def run_pipeline(
     model: StageModel,
     batcher_factory: Any = None,
     control: Control | None = None,
+    host_gpus: int | None = None,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
     ``batcher_factory()`` overrides the spec's batcher (the Dynamo baseline passes a B = 1 eager
-    batcher); by default every encode worker gets ``make_batcher(spec.encode)``.
+    batcher); by default every encode worker gets ``make_batcher(spec.encode)``. ``host_gpus``:
+    the deployment runs on one host with this many GPUs, placed as ``easerve serve`` places it,
+    so processes on the same GPU time-slice it (``sim.timeslice``); None: GPUs of their own.
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -67,27 +71,38 @@ def run_pipeline(
         )
     topo = topology(spec, model)
     loop = EventLoop()
+    devices = placement(topo, host_gpus)
+    ts = TimeSlicing(loop, devices) if devices else None
 
     def each(stage: Stage) -> list[Process]:
         return [proc for pod, _ in topo.replicas() for proc in pod.process(stage)]
 
+    def keys(stage: Stage) -> list[str]:
+        """``each(stage)``'s pod replicas (the unit of time-slicing), in the same order."""
+        return [pod_key(str(pod.stage), r) for pod, r in topo.replicas() for _ in pod.process(stage)]
+
+    def sliced(worker: Any, key: str) -> Any:
+        if ts is not None and key in devices:
+            worker.ts, worker.proc = ts, key
+        return worker
+
     decoders = [
-        DecodeWorker(
+        sliced(DecodeWorker(
             loop, model, p.tp, f"decode-{i}", spec.decode.max_sequences, spec.decode.kv_memory_fraction
-        )
-        for i, p in enumerate(each(Stage.DECODE))
+        ), key)
+        for i, (p, key) in enumerate(zip(each(Stage.DECODE), keys(Stage.DECODE), strict=True))
     ]
     budget = spec.prefill.max_batch_tokens
     handoff = KVHandoff(loop, model, decoders)
     remote = [
-        PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff, token_budget=budget)
-        for i, p in enumerate(each(Stage.PREFILL))
+        sliced(PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff, token_budget=budget), key)
+        for i, (p, key) in enumerate(zip(each(Stage.PREFILL), keys(Stage.PREFILL), strict=True))
     ]
     shares = ShareModel(spec, model, spec.has_local_prefill)
     reasons: dict[str, int] = {}
     encoders: list[EncodeWorker] = []
     locals_: list[PrefillWorker] = []
-    for pod, _ in topo.replicas():
+    for pod, replica in topo.replicas():
         if pod.stage != Stage.ENCODE:
             continue
         local: PrefillWorker | None = None
@@ -96,6 +111,7 @@ def run_pipeline(
             local = PrefillWorker(
                 loop, model, tp, f"local-{len(locals_)}", handoff, local=True, token_budget=budget
             )
+            sliced(local, pod_key(str(pod.stage), replica))
             locals_.append(local)
         for member, _proc in enumerate(pod.process(Stage.ENCODE)):
             batcher: Batcher[Any] = (
@@ -103,7 +119,7 @@ def run_pipeline(
             )
             router: PostEncodeRouter[str] = PostEncodeRouter(s if local is not None else 1.0, local is not None)
             encoders.append(
-                EncodeWorker(
+                sliced(EncodeWorker(
                     loop,
                     model,
                     shares,
@@ -115,7 +131,7 @@ def run_pipeline(
                     reasons,
                     member=member,  # this GPU's rank within its local prefill worker's TP group
                     send_window=spec.encode.send_window,
-                )
+                ), pod_key(str(pod.stage), replica))
             )
 
     jobs = [Job(r) for r in requests]
@@ -189,4 +205,7 @@ def run_pipeline(
     }
     if control is not None:
         stats["knob_changes"] = changes
+    if ts is not None:
+        stats["time_slicing"] = {"host_gpus": host_gpus, "pods": {k: sorted(v) for k, v in devices.items()},
+                                 "dispatches": ts.dispatches, "charged": ts.charged}
     return jobs, stats

@@ -139,31 +139,27 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
     topo = topology_plan(spec, hardware)
     procs: list[Proc] = []
     count: dict[str, int] = {}
-    next_gpu = 0  # pods take consecutive host GPUs, as a scheduler packing one node would
-    for pod, replica in topo.replicas():
-        gpus_per_pod = max(1, len({g for p in pod.processes for g in (*p.owns, *p.shares)}))
-        first_gpu = next_gpu
-        next_gpu += len({g for p in pod.processes for g in (*p.owns, *p.shares)})
-        for p in pod.processes:
-            stage = str(p.stage)
-            index = count.get(stage, 0)
-            count[stage] = index + 1
-            http = None
-            if p.http_port is not None:
-                http = http_port if stage in ENTRY and index == 0 else free_port()
-            procs.append(
-                Proc(
-                    stage,
-                    index,
-                    free_port() if p.system_port is not None else None,
-                    http,
-                    pod=replica,
-                    name=p.name,
-                    argv=list(p.argv),
-                    partition_gpus=[replica * gpus_per_pod + g for g in p.partition_gpus],
-                    gpus=[first_gpu + g for g in (*p.owns, *p.shares)],
-                )
+    for pod, replica, p, gpus in topo.placed():
+        gpus_per_pod = max(1, len({g for q in pod.processes for g in (*q.owns, *q.shares)}))
+        stage = str(p.stage)
+        index = count.get(stage, 0)
+        count[stage] = index + 1
+        http = None
+        if p.http_port is not None:
+            http = http_port if stage in ENTRY and index == 0 else free_port()
+        procs.append(
+            Proc(
+                stage,
+                index,
+                free_port() if p.system_port is not None else None,
+                http,
+                pod=replica,
+                name=p.name,
+                argv=list(p.argv),
+                partition_gpus=[replica * gpus_per_pod + g for g in p.partition_gpus],
+                gpus=list(gpus),
             )
+        )
     return sorted(procs, key=lambda p: START_ORDER[Stage(p.stage)])
 
 
