@@ -6,15 +6,19 @@ A GPU sweep is several device calls (a call is at most 10 minutes; four systems 
 saved as ``benchmarks/results/gpu_serve_h200_<run><part>_300req.json`` (``run9``, ``run9b``, ...).
 This script merges the parts of one run into one table: per system, goodput per tier at each rate
 and the best-over-rates goodput at the moderate tier; EAServe's ratios to each baseline (best
-over rates, and rate by rate, where EAServe is the better of its measured layouts); and a plot.
+over rates, and rate by rate, where EAServe is the better of its measured layouts and each
+baseline the best of its measured configurations, e.g. ``aggregated@1024,aggregated@4096`` beside
+``aggregated``'s default 2,048-token budget: the sweep, printed under ``baselines_swept``); and a
+plot.
 
     # on the GPU machine, one call per group of systems (see docs/benchmarks.md, run 9):
     python3 benchmarks/gpu_goodput.py --out $OUT/serve --systems easerve-own-process,dynamo-style --rates 3.5,5.5
     # anywhere, no GPU: the committed runs' merged summary (default: the newest run)
     python3 benchmarks/gpu_goodput.py --summary [--run run9] [--plot docs/img/gpu_goodput_run9.png]
 
-The baselines' configurations are fixed by ``gpu_serve.py`` (its docstring says which); the sweep
-over their configurations that the issue asks for is not part of these runs.
+The baselines' configurations are ``gpu_serve.py``'s (its docstring says which); the aggregated
+baseline's token budget is swept by naming ``aggregated@TOKENS`` systems. On one GPU the
+Dynamo-style layout has no other allocation to sweep (every stage is on that GPU).
 """
 
 from __future__ import annotations
@@ -37,15 +41,15 @@ BASELINES = ("dynamo-style", "aggregated")
 _RUN = re.compile(r"gpu_serve_h200_(run\d+)([a-z]?)_300req\.json$")
 
 
-def run_files(run: str | None) -> tuple[str, list[Path]]:
+def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]]:
     """The parts of ``run`` (default: the newest run with 300-request points)."""
     found: dict[str, list[Path]] = {}
-    for f in sorted(glob.glob(str(RESULTS / "gpu_serve_h200_run*_300req.json"))):
+    for f in sorted(glob.glob(str(results / "gpu_serve_h200_run*_300req.json"))):
         m = _RUN.search(f)
         if m:
             found.setdefault(m.group(1), []).append(Path(f))
     if not found:
-        raise SystemExit(f"no gpu_serve_h200_run*_300req.json under {RESULTS}")
+        raise SystemExit(f"no gpu_serve_h200_run*_300req.json under {results}")
     name = run or max(found, key=lambda r: int(r[3:]))
     if name not in found:
         raise SystemExit(f"--run {name}: runs on record are {', '.join(sorted(found))}")
@@ -56,7 +60,8 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
     """One summary over the parts of a run: every system's points, whichever part measured them."""
     points: dict[str, dict[float, dict[str, Any]]] = {}
     parts: dict[str, list[str]] = {}
-    meta: dict[str, Any] = {"run": run, "files": [str(f.relative_to(REPO)) for f in files]}
+    meta: dict[str, Any] = {"run": run, "files": [str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
+                                                  for f in files]}
     for f in files:
         res = json.loads(f.read_text())
         for k in ("model", "gpu", "host_gpus", "mps", "requests_per_point", "slo_scale"):
@@ -82,17 +87,29 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
     def best(name: str) -> float:
         return max(gpu_serve.goodput_of(p, "moderate") for p in points[name].values())
 
+    def configs(base: str) -> list[str]:
+        """A baseline's measured configurations (``aggregated``, ``aggregated@4096``, ...)."""
+        return [n for n in systems if n.partition("@")[0] == base]
+
     best_ours = max(ours, key=best)
     ratios: dict[str, Any] = {"easerve_layout": best_ours}
-    for base in (b for b in BASELINES if b in systems):
-        ratios[f"best_over_rates easerve/{base}"] = round(best(best_ours) / best(base), 2) if best(base) else None
+    swept: dict[str, Any] = {}
+    for base in (b for b in BASELINES if configs(b)):
+        cfgs = configs(base)
+        top = max(cfgs, key=best)
+        swept[base] = {"configurations": cfgs, "best_over_rates": top,
+                       "best_per_rate": {str(r): max((c for c in cfgs if moderate(c, r) is not None),
+                                                     key=lambda c, r=r: moderate(c, r) or 0.0)
+                                         for r in rates if any(moderate(c, r) is not None for c in cfgs)}}
+        ratios[f"best_over_rates easerve/{base}"] = round(best(best_ours) / best(top), 2) if best(top) else None
         per_rate = {}
         for r in rates:
             ours_r = [v for n in ours if (v := moderate(n, r)) is not None]
-            theirs = moderate(base, r)
-            if ours_r and theirs:
-                per_rate[str(r)] = round(max(ours_r) / theirs, 2)
+            theirs = [v for c in cfgs if (v := moderate(c, r)) is not None]
+            if ours_r and theirs and max(theirs):
+                per_rate[str(r)] = round(max(ours_r) / max(theirs), 2)
         ratios[f"per_rate easerve/{base}"] = per_rate
+    out["baselines_swept"] = swept
     return out | {"ratios": ratios}
 
 
@@ -123,9 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--summary", action="store_true", help="merge the committed parts of one run; no GPU")
     ap.add_argument("--run", default=None, help="which run (runN); default the newest")
     ap.add_argument("--plot", default=None, help="with --summary: write the goodput-per-tier plot here")
+    ap.add_argument("--results", default=str(RESULTS), help="with --summary: where the runs' JSON files are")
     args, rest = ap.parse_known_args(argv)
     if args.summary:
-        name, files = run_files(args.run)
+        name, files = run_files(args.run, Path(args.results))
         summary = merge(name, files)
         if args.plot:
             plot(summary, Path(args.plot))

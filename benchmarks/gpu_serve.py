@@ -86,6 +86,20 @@ SYSTEMS["easerve-own-process"] = {  # easerve with its local prefill in a proces
 }
 
 
+def configured(system: str) -> tuple[str, int | None]:
+    """``NAME`` or ``NAME@TOKENS``: a system of ``SYSTEMS`` and, for ``aggregated@TOKENS``, the
+    token budget of that configuration (the baseline's sweep runs several, ``gpu_goodput.py``
+    keeps the best at each rate). Refuses a name it does not know."""
+    base, _, tokens = system.partition("@")
+    if base not in SYSTEMS:
+        raise ValueError(f"--systems: {base!r} is not one of {', '.join(SYSTEMS)}")
+    if tokens and SYSTEMS[base].get("mode") != "aggregated":
+        raise ValueError(f"--systems: {system!r}: only aggregated takes @TOKENS (its token budget)")
+    if tokens and not tokens.isdigit():
+        raise ValueError(f"--systems: {system!r}: the token budget after @ must be an integer")
+    return base, int(tokens) if tokens else None
+
+
 def log(msg: str) -> None:
     print(f"[gpu_serve {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -98,7 +112,9 @@ def aggregated_gpus(host_gpus: int) -> int:
 
 def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float, token_budget: int = 2048,
              gpus: int = 1) -> dict[str, Any]:
-    s = SYSTEMS[system]
+    base, tokens = configured(system)
+    s = SYSTEMS[base]
+    token_budget = tokens or token_budget
     tiers = [
         {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
     ]
@@ -116,7 +132,7 @@ def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float,
     return {
         "apiVersion": "easerve.io/v1alpha1",
         "kind": "EPDDeployment",
-        "metadata": {"name": f"gpu-{system}"},
+        "metadata": {"name": f"gpu-{system.replace('@', '-tb')}"},
         "spec": {
             "model": {
                 "name": "llava-next-7b-random",
@@ -314,7 +330,7 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         spec_path.write_text(json.dumps(doc, indent=1))
         stats_dir = out / system / "decode-stats"
         stats_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[system]["env"],
+        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[configured(system)[0]]["env"],
                "EASERVE_DECODE_STATS": str(stats_dir)}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
@@ -419,7 +435,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output directory (on the GPU machine: $OUT)")
-    p.add_argument("--systems", default="easerve,dynamo-style", help="comma list of easerve, easerve-own-process, dynamo-style, aggregated")
+    p.add_argument("--systems", default="easerve,dynamo-style",
+                   help="comma list of easerve, easerve-own-process, dynamo-style, aggregated, and aggregated@TOKENS "
+                        "(the aggregated baseline at that token budget: its sweep)")
     p.add_argument("--rates", default="1,2,4,6", type=lambda s: [float(x) for x in s.split(",")])
     p.add_argument("--requests", type=int, default=60, help="requests per rate point")
     p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="tiny: CPU smoke of the harness")
@@ -445,6 +463,11 @@ def main() -> int:
         return 0
     if not args.out:
         p.error("--out is required (or --summary)")
+    for system in args.systems.split(","):
+        try:
+            configured(system)
+        except ValueError as exc:
+            p.error(str(exc))
     return run(args)
 
 

@@ -46,3 +46,27 @@ def test_an_unknown_run_is_refused_naming_the_runs_on_record() -> None:
     with pytest.raises(subprocess.CalledProcessError) as err:
         summary("--run", "run999")
     assert "run999" in err.value.stderr and "run9" in err.value.stderr
+
+
+def point(rate: float, moderate: float) -> dict:
+    return {"rate": rate, "goodput": {"moderate": moderate, "strict": 0.0}, "throughput": rate, "ttft_p99": 1.0,
+            "tpot_mean": 0.02, "tpot_p99": 0.03}
+
+
+def test_a_baselines_configurations_count_as_its_sweep_and_the_best_one_is_compared(tmp_path: Path) -> None:
+    """Synthetic parts of one run: the aggregated baseline at two token budgets, in two files."""
+    (tmp_path / "gpu_serve_h200_run42_300req.json").write_text(json.dumps({"systems": {
+        "easerve": {"points": [point(2.0, 1.8), point(4.0, 3.0)]},
+        "aggregated": {"points": [point(2.0, 1.9), point(4.0, 1.5)]},
+    }}))
+    (tmp_path / "gpu_serve_h200_run42b_300req.json").write_text(json.dumps({"systems": {
+        "aggregated@4096": {"points": [point(2.0, 1.2), point(4.0, 2.0)]},
+    }}))
+    s = summary("--results", str(tmp_path))
+    assert s["run"] == "run42" and s["rates"] == [2.0, 4.0]
+    sw = s["baselines_swept"]["aggregated"]
+    assert sw["configurations"] == ["aggregated", "aggregated@4096"]
+    assert sw["best_per_rate"] == {"2.0": "aggregated", "4.0": "aggregated@4096"}
+    assert sw["best_over_rates"] == "aggregated@4096"  # 2.0 beats 1.9
+    assert s["ratios"]["per_rate easerve/aggregated"] == {"2.0": round(1.8 / 1.9, 2), "4.0": 1.5}
+    assert s["ratios"]["best_over_rates easerve/aggregated"] == 1.5
