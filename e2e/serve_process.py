@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -22,8 +22,17 @@ from easerve_runtime.workers.launcher import free_port
 
 @contextmanager
 def serve_process(spec_text: str, tmp: Path, env: Mapping[str, str] | None = None,
-                  timeout_s: float = 400.0) -> Iterator[tuple[int, Path]]:
-    """Serve ``spec_text`` (an EPDDeployment manifest) from ``tmp``; yields (HTTP port, workdir)."""
+                  timeout_s: float = 400.0,
+                  on_start: Callable[[subprocess.Popen[bytes]], None] | None = None) -> Iterator[tuple[int, Path]]:
+    """Serve ``spec_text`` (an EPDDeployment manifest) from ``tmp``; yields (HTTP port, workdir).
+
+    ``tmp`` must exist; the spec is written to ``tmp/spec.yaml``, the launcher's output to
+    ``tmp/serve.log`` (tests that check what it logged read it there), the workdir is ``tmp/wd``.
+
+    ``on_start`` is called with the ``easerve serve`` Popen as soon as it is started, for tests
+    that signal the launcher themselves (SIGTERM mid-load, then check its exit status or how long
+    it took). Stopping it here on exit is then a no-op: a Popen that has exited is not signalled.
+    """
     spec = tmp / "spec.yaml"
     spec.write_text(spec_text)
     port = free_port()
@@ -37,6 +46,8 @@ def serve_process(spec_text: str, tmp: Path, env: Mapping[str, str] | None = Non
         )
     deadline = time.monotonic() + timeout_s
     try:
+        if on_start is not None:
+            on_start(proc)
         while "serving at" not in logpath.read_text(errors="replace"):
             if proc.poll() is not None or time.monotonic() > deadline:
                 logs = "".join(p.read_text(errors="replace")[-1500:] for p in workdir.glob("*.log"))

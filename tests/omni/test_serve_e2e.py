@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from easerve_runtime.policies.omni import SLOTable
+from serve_process import serve_process
 
 ROOT = Path(__file__).parents[2]
 EXAMPLE = ROOT / "examples" / "qwen2.5-omni.yaml"
@@ -38,9 +39,9 @@ def _post(url: str, body: dict) -> dict:  # type: ignore[type-arg]
         return json.loads(r.read())
 
 
-def _start(*extra: str, command: list[str] | None = None) -> tuple[subprocess.Popen[bytes], str]:
+def _start(*extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
-    cmd = command or [
+    cmd = [
         sys.executable,
         "-m",
         "easerve_runtime.workers.omni",
@@ -161,10 +162,10 @@ def test_calibrate_slo_writes_table_the_server_loads(server: str, tmp_path: Path
         proc.wait(timeout=10)
 
 
-def test_easerve_serve_command_runs_the_omni_example() -> None:
+def test_easerve_serve_command_runs_the_omni_example(tmp_path: Path) -> None:
     """The real `easerve serve -f examples/qwen2.5-omni.yaml` path (real time, no time scaling)."""
-    proc, url = _start(command=[sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(EXAMPLE)])
-    try:
+    with serve_process(EXAMPLE.read_text(), tmp_path, {"PYTHONUNBUFFERED": "1"}, timeout_s=60) as (port, _wd):
+        url = f"http://127.0.0.1:{port}"
         bodies = [{"messages": "hi", "priority": 0, "max_tokens": 4}] * 3
         bodies += [{"messages": "hi", "priority": 10, "easerve": {"output_tokens": 4, "total_steps": 40}}] * 2
         with ThreadPoolExecutor(5) as ex:
@@ -175,6 +176,3 @@ def test_easerve_serve_command_runs_the_omni_example() -> None:
         assert _metric(m, "easerve_omni_first_response_seconds_count", cls="audio") == 2
         for cls in ("text", "audio"):
             assert 0.0 <= _metric(m, "easerve_omni_slo_attainment", cls=cls) <= 1.0
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)

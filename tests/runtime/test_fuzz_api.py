@@ -13,10 +13,7 @@ import base64
 import http.client
 import json
 import os
-import signal
 import struct
-import subprocess
-import sys
 import time
 import zlib
 from collections.abc import Iterator
@@ -25,9 +22,9 @@ from typing import Any
 
 import pytest
 from easerve_runtime.bench.payloads import png
-from easerve_runtime.workers.launcher import free_port
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from serve_process import serve_process
 
 SPEC = str(Path(__file__).with_name("spec_small.yaml"))
 MODEL = "llava-hf/llava-v1.6-34b-hf"
@@ -38,27 +35,9 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     tmp = tmp_path_factory.mktemp("fuzz")
-    port = free_port()
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP="20", EASERVE_SIM_BYTES_SCALE="0.01")
-    cmd = [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", SPEC, "--port", str(port)]
-    cmd += ["--workdir", str(tmp / "wd")]
-    log = open(tmp / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 120
-    try:
-        while "serving at" not in (tmp / "serve.log").read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError((tmp / "serve.log").read_text(errors="replace")[-3000:])
-            time.sleep(0.3)
+    env = {"EASERVE_SIM_SPEEDUP": "20", "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    with serve_process(Path(SPEC).read_text(), tmp, env, timeout_s=120) as (port, _wd):
         yield f"127.0.0.1:{port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
 
 
 def request(host: str, method: str, path: str, body: bytes = b"", ctype: str = "application/json") -> tuple[int, bytes, float]:

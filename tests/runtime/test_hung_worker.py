@@ -12,7 +12,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,8 @@ from typing import Any
 import aiohttp
 import pytest
 from easerve_runtime.bench.payloads import png
-from easerve_runtime.workers.launcher import STOP_GRACE_S, free_port
+from easerve_runtime.workers.launcher import STOP_GRACE_S
+from serve_process import serve_process
 
 SPEC = str(Path(__file__).with_name("spec_small.yaml"))
 MODEL = "llava-hf/llava-v1.6-34b-hf"
@@ -49,45 +49,35 @@ async def stream(session: aiohttp.ClientSession, url: str, i: int, max_tokens: i
 
 
 def test_hung_decode_worker_leaves_routing_and_serve_still_stops(tmp_path: Path) -> None:
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP="1", EASERVE_SIM_BYTES_SCALE="0.01")
-    cmd = [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", SPEC, "--port", str(port)]
-    cmd += ["--workdir", str(tmp_path / "wd")]
-    logp = tmp_path / "serve.log"
-    with open(logp, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    victim = None
-    try:
-        deadline = time.monotonic() + 120
-        while "serving at" not in logp.read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, logp.read_text()[-3000:]
-            time.sleep(0.3)
-        procs = json.loads((tmp_path / "wd" / "processes.json").read_text())["processes"]
-        victim = next(p["pid"] for p in procs if p["stage"] == "decode" and p["index"] == 0)
+    env = {"EASERVE_SIM_SPEEDUP": "1", "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    started: list[subprocess.Popen[bytes]] = []
+    with serve_process(Path(SPEC).read_text(), tmp_path, env, timeout_s=120, on_start=started.append) as (port, wd):
+        url = f"http://127.0.0.1:{port}"
+        proc = started[0]
+        victim = None
+        try:
+            procs = json.loads((wd / "processes.json").read_text())["processes"]
+            victim = next(p["pid"] for p in procs if p["stage"] == "decode" and p["index"] == 0)
 
-        async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
-                first = [asyncio.create_task(stream(s, url, i, 400)) for i in range(6)]
-                await asyncio.sleep(3)  # all decoding (real-time decode: ~25 ms a token)
-                os.kill(victim, signal.SIGSTOP)
-                before = await asyncio.gather(*first)  # every one ends: tokens or an explicit error
-                after = await asyncio.gather(*(stream(s, url, 10 + i, 5) for i in range(6)))
-                return list(before), list(after)
+            async def main() -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+                async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as s:
+                    first = [asyncio.create_task(stream(s, url, i, 400)) for i in range(6)]
+                    await asyncio.sleep(3)  # all decoding (real-time decode: ~25 ms a token)
+                    os.kill(victim, signal.SIGSTOP)
+                    before = await asyncio.gather(*first)  # every one ends: tokens or an explicit error
+                    after = await asyncio.gather(*(stream(s, url, 10 + i, 5) for i in range(6)))
+                    return list(before), list(after)
 
-        before, after = asyncio.run(main())
-        hung = [r for r in before if r["tokens"] != 400]
-        assert hung, "some requests were decoding on the stopped worker"
-        assert all(r["error"] and "dead or hung" in r["error"] for r in hung), hung
-        assert [r["tokens"] for r in after] == [5] * 6, after  # the hung instance left routing
-        t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(STOP_GRACE_S + 30)  # the stopped child is SIGKILLed once the budget is spent
-        assert time.monotonic() - t0 <= STOP_GRACE_S + 30
-    finally:
-        if victim is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(victim, signal.SIGKILL)
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+            before, after = asyncio.run(main())
+            hung = [r for r in before if r["tokens"] != 400]
+            assert hung, "some requests were decoding on the stopped worker"
+            assert all(r["error"] and "dead or hung" in r["error"] for r in hung), hung
+            assert [r["tokens"] for r in after] == [5] * 6, after  # the hung instance left routing
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(STOP_GRACE_S + 30)  # the stopped child is SIGKILLed once the budget is spent
+            assert time.monotonic() - t0 <= STOP_GRACE_S + 30
+        finally:
+            if victim is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(victim, signal.SIGKILL)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -18,8 +17,8 @@ from easerve_runtime.api import RuntimeConfig, load_manifest
 from easerve_runtime.policies.batcher import make_batcher
 from easerve_runtime.policies.knobs import apply_knobs, diff_knobs
 from easerve_runtime.policies.router import DeficitRouter
-from easerve_runtime.workers.launcher import free_port
 from easerve_runtime.workers.main import ConfigFollower
+from serve_process import serve_process
 
 SPEC = str(Path(__file__).with_name("spec_small.yaml"))
 
@@ -103,98 +102,78 @@ def _scrape(port: int) -> str:
 
 @pytest.mark.slow
 def test_b_and_s_change_under_load_without_a_failed_request(tmp_path: Path) -> None:
-    port = free_port()
-    wd = tmp_path / "wd"
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP="10", EASERVE_SIM_BYTES_SCALE="0.01")
-    cmd = [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", SPEC, "--port", str(port)]
-    logf = open(tmp_path / "serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(
-        cmd + ["--workdir", str(wd)], env=env, stdout=logf, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    bench_proc = None
-    try:
-        deadline = time.monotonic() + 120
-        while "serving at" not in (tmp_path / "serve.log").read_text(errors="replace"):
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()[
-                -3000:
+    env = {"EASERVE_SIM_SPEEDUP": "10", "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    with serve_process(Path(SPEC).read_text(), tmp_path, env, timeout_s=120) as (port, wd):
+        bench_proc = None
+        try:
+            procs = json.loads((wd / "processes.json").read_text())["processes"]
+            enc_port = next(p for p in procs if p["stage"] == "encode")["system_port"]
+            url = f"http://127.0.0.1:{port}"
+            n = 400
+            bcmd = [
+                sys.executable,
+                "-m",
+                "easerve_operator.cli",
+                "bench",
+                "--url",
+                url,
+                "--rate",
+                "20",
+                "--requests",
+                str(n),
+                "--seed",
+                "5",
+                "--output-mean",
+                "4",
+                "--prompt-mean",
+                "16",
+                "--json",
             ]
-            time.sleep(0.3)
-        procs = json.loads((wd / "processes.json").read_text())["processes"]
-        enc_port = next(p for p in procs if p["stage"] == "encode")["system_port"]
-        url = f"http://127.0.0.1:{port}"
-        n = 400
-        bcmd = [
-            sys.executable,
-            "-m",
-            "easerve_operator.cli",
-            "bench",
-            "--url",
-            url,
-            "--rate",
-            "20",
-            "--requests",
-            str(n),
-            "--seed",
-            "5",
-            "--output-mean",
-            "4",
-            "--prompt-mean",
-            "16",
-            "--json",
-        ]
-        bench_proc = subprocess.Popen(bcmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        m0 = _scrape(enc_port)
-        assert (
-            _metric(m0, "easerve_encode_batch_bound") == 8
-            and _metric(m0, "easerve_router_offload_ratio") == 0.5
-        )
-        while _metric(_scrape(enc_port), "easerve_router_routed_total") < n // 4:
-            assert bench_proc.poll() is None
-            time.sleep(0.2)
-        # rewrite B and s in the file the workers run from (atomically, as a kubelet swaps ..data)
-        cfg = RuntimeConfig.from_json((wd / "config.json").read_text())
-        spec = cfg.spec.model_copy(
-            update={
-                "encode": cfg.spec.encode.model_copy(update={"batch_bound": 2}),
-                "offload": cfg.spec.offload.model_copy(update={"ratio": 0.25}),
-            }
-        )
-        (wd / "config.new").write_text(cfg.model_copy(update={"spec": spec}).to_json())
-        os.replace(wd / "config.new", wd / "config.json")
-        while True:
-            m1 = _scrape(enc_port)
-            if _metric(m1, "easerve_encode_batch_bound") == 2:
-                break
-            assert bench_proc.poll() is None, "the change was not applied before the run ended"
-            time.sleep(0.1)
-        assert _metric(m1, "easerve_router_offload_ratio") == 0.25
-        assert _metric(m1, "easerve_knob_updates_total", 'outcome="applied"') == 2
-        out, err = bench_proc.communicate(timeout=300)
-        rep = json.loads(out)
-        assert rep["completed"] == n and rep["failed"] == 0, rep.get("errors")
-        m2 = _scrape(enc_port)
+            bench_proc = subprocess.Popen(bcmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            m0 = _scrape(enc_port)
+            assert (
+                _metric(m0, "easerve_encode_batch_bound") == 8
+                and _metric(m0, "easerve_router_offload_ratio") == 0.5
+            )
+            while _metric(_scrape(enc_port), "easerve_router_routed_total") < n // 4:
+                assert bench_proc.poll() is None
+                time.sleep(0.2)
+            # rewrite B and s in the file the workers run from (atomically, as a kubelet swaps ..data)
+            cfg = RuntimeConfig.from_json((wd / "config.json").read_text())
+            spec = cfg.spec.model_copy(
+                update={
+                    "encode": cfg.spec.encode.model_copy(update={"batch_bound": 2}),
+                    "offload": cfg.spec.offload.model_copy(update={"ratio": 0.25}),
+                }
+            )
+            (wd / "config.new").write_text(cfg.model_copy(update={"spec": spec}).to_json())
+            os.replace(wd / "config.new", wd / "config.json")
+            while True:
+                m1 = _scrape(enc_port)
+                if _metric(m1, "easerve_encode_batch_bound") == 2:
+                    break
+                assert bench_proc.poll() is None, "the change was not applied before the run ended"
+                time.sleep(0.1)
+            assert _metric(m1, "easerve_router_offload_ratio") == 0.25
+            assert _metric(m1, "easerve_knob_updates_total", 'outcome="applied"') == 2
+            out, err = bench_proc.communicate(timeout=300)
+            rep = json.loads(out)
+            assert rep["completed"] == n and rep["failed"] == 0, rep.get("errors")
+            m2 = _scrape(enc_port)
 
-        def delta(name: str, labels: str = "") -> float:
-            return _metric(m2, name, labels) - _metric(m1, name, labels)
+            def delta(name: str, labels: str = "") -> float:
+                return _metric(m2, name, labels) - _metric(m1, name, labels)
 
-        after = delta("easerve_router_routed_total")
-        assert after > 0
-        assert abs(delta("easerve_router_routed_total", 'route="remote"') - 0.25 * after) <= 1
-        # every micro-batch after the change had at most the new B = 2 requests
-        assert (
-            delta("easerve_encode_batch_size_bucket", 'le="2.0"')
-            == delta("easerve_encode_batch_size_count")
-            > 0
-        )
-    finally:
-        if bench_proc is not None and bench_proc.poll() is None:
-            bench_proc.kill()
-            bench_proc.wait()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        logf.close()
+            after = delta("easerve_router_routed_total")
+            assert after > 0
+            assert abs(delta("easerve_router_routed_total", 'route="remote"') - 0.25 * after) <= 1
+            # every micro-batch after the change had at most the new B = 2 requests
+            assert (
+                delta("easerve_encode_batch_size_bucket", 'le="2.0"')
+                == delta("easerve_encode_batch_size_count")
+                > 0
+            )
+        finally:
+            if bench_proc is not None and bench_proc.poll() is None:
+                bench_proc.kill()
+                bench_proc.wait()

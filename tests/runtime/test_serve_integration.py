@@ -24,7 +24,7 @@ from typing import Any
 import aiohttp
 import pytest
 from easerve_runtime.bench.payloads import png
-from easerve_runtime.workers.launcher import free_port
+from serve_process import serve_process
 
 SPEC = str(Path(__file__).with_name("spec_small.yaml"))
 DECODING = 3
@@ -59,51 +59,22 @@ def metric(text: str, name: str, labels: str = "") -> float:
 
 
 def launch(tmp: Path, speedup: str) -> Iterator[Served]:
-    port = free_port()
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP=speedup, EASERVE_SIM_BYTES_SCALE="0.01")
-    cmd = [
-        sys.executable,
-        "-m",
-        "easerve_operator.cli",
-        "serve",
-        "-f",
-        SPEC,
-        "--port",
-        str(port),
-        "--workdir",
-        str(tmp),
-    ]
-    log = open(tmp.parent / f"{tmp.name}-serve.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    logpath = Path(log.name)
+    env = {"EASERVE_SIM_SPEEDUP": speedup, "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    started: list[subprocess.Popen[bytes]] = []
     try:
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"easerve serve did not come up:\n{logpath.read_text(errors='replace')[-3000:]}"
-                )
-            time.sleep(0.3)
-        assert url in logpath.read_text()  # the URL is logged once healthy
-        yield Served(proc, url, tmp)
+        with serve_process(Path(SPEC).read_text(), tmp, env, timeout_s=120, on_start=started.append) as (port, wd):
+            url = f"http://127.0.0.1:{port}"
+            assert url in (tmp / "serve.log").read_text()  # the URL is logged once healthy
+            yield Served(started[0], url, wd)
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
         # no worker may outlive the launcher
-        for p in json.loads((tmp / "processes.json").read_text())["processes"]:
+        for p in json.loads((tmp / "wd" / "processes.json").read_text())["processes"]:
             try:
                 os.kill(p["pid"], 0)
             except ProcessLookupError:
                 continue
             os.kill(p["pid"], signal.SIGKILL)
             raise AssertionError(f"{p['stage']}-{p['index']} outlived easerve serve")
-        log.close()
 
 
 @pytest.fixture(scope="module")
@@ -337,9 +308,7 @@ def test_sigterm_on_serve_loses_no_accepted_request(served_slow: Served) -> None
     results = _run_with_signal(served_slow.url, 6, 40, lambda: served_slow.proc.send_signal(signal.SIGTERM))
     assert [r["tokens"] for r in results] == [40] * 6, results
     assert served_slow.proc.wait(60) == 0
-    assert re.search(
-        r"stopped", (served_slow.workdir.parent / f"{served_slow.workdir.name}-serve.log").read_text()
-    )
+    assert re.search(r"stopped", (served_slow.workdir.parent / "serve.log").read_text())
 
 
 def _alive(pid: int) -> bool:
@@ -352,7 +321,7 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture
 def served_kill(tmp_path: Path) -> Iterator[Served]:
-    yield from launch(tmp_path / "serve-kill", speedup="1")
+    yield from launch(tmp_path, speedup="1")
 
 
 def test_sigkill_decode_worker(served_kill: Served) -> None:

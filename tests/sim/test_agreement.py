@@ -42,11 +42,8 @@ the whole module about 10 minutes on 2 cores. Run one point with
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -90,26 +87,11 @@ def _missing() -> str | None:
 
 
 def _serve_and_bench(spec_path: Path, trace: Path, n: int, tmp_path: Path) -> dict[str, float]:
-    from easerve_runtime.workers.launcher import free_port
+    from serve_process import serve_process  # imports the launcher: only once _missing() passed
 
-    port = free_port()
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP="1", EASERVE_SIM_BYTES_SCALE="0.01")
-    log_path = tmp_path / "serve.log"
-    log = open(log_path, "wb")  # noqa: SIM115 - closed below
+    env = {"EASERVE_SIM_SPEEDUP": "1", "EASERVE_SIM_BYTES_SCALE": "0.01"}
     cli = [sys.executable, "-m", "easerve_operator.cli"]
-    proc = subprocess.Popen(
-        [*cli, "serve", "-f", str(spec_path), "--port", str(port), "--workdir", str(tmp_path / "wd")],
-        env=env,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 180
-        while "serving at" not in log_path.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                pytest.fail("easerve serve did not come up:\n" + log_path.read_text()[-3000:])
-            time.sleep(0.5)
+    with serve_process(spec_path.read_text(), tmp_path, env, timeout_s=180) as (port, _wd):
         out = subprocess.run(
             [
                 *cli,
@@ -130,15 +112,6 @@ def _serve_and_bench(spec_path: Path, trace: Path, n: int, tmp_path: Path) -> di
         )
         assert out.stdout, out.stderr.decode()[-2000:]
         live: dict[str, float] = json.loads(out.stdout)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
-        log.close()
     return live
 
 

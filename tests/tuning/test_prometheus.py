@@ -11,7 +11,6 @@ import json
 import math
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -36,6 +35,7 @@ from easerve_operator.tuning.prometheus import (
 )
 from easerve_runtime.metrics import TPOT_BUCKETS, TTFT_BUCKETS
 from easerve_runtime.workers.launcher import free_port
+from serve_process import serve_process
 
 ROOT = Path(__file__).resolve().parents[2]
 E2E = ROOT / "e2e"
@@ -188,29 +188,11 @@ def test_real_connection_refused_is_retried_and_named():
 # ----------------------------------------------------------------------------- real Prometheus
 
 
-def _served(workdir: Path, speedup: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
-    port = free_port()
-    env = dict(os.environ, EASERVE_SIM_SPEEDUP=speedup, EASERVE_SIM_BYTES_SCALE="0.01")
-    cmd = [sys.executable, "-m", "easerve_operator.cli", "serve", "-f", str(SPEC), "--port", str(port)]
-    cmd += ["--workdir", str(workdir)]
-    logpath = workdir.parent / f"{workdir.name}-serve.log"
-    with open(logpath, "wb") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while "serving at" not in logpath.read_text(errors="replace"):
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"easerve serve did not come up:\n{logpath.read_text()[-3000:]}")
-            time.sleep(0.3)
+def _served(tmp: Path, speedup: str) -> Iterator[tuple[str, list[dict[str, Any]]]]:
+    env = {"EASERVE_SIM_SPEEDUP": speedup, "EASERVE_SIM_BYTES_SCALE": "0.01"}
+    with serve_process(SPEC.read_text(), tmp, env, timeout_s=120) as (port, workdir):
         procs = json.loads((workdir / "processes.json").read_text())["processes"]
         yield f"http://127.0.0.1:{port}", procs
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 def _prometheus(tmp: Path, targets: list[str]) -> Iterator[str]:
