@@ -154,3 +154,35 @@ def test_api_doc_reference_is_generated_from_the_models() -> None:
 
     doc = (REPO / "docs" / "api.md").read_text()
     assert field_reference() in doc, "docs/api.md is stale: replace its field reference with `easerve crd docs`"
+
+
+def small(**kw: Any) -> dict[str, Any]:
+    return {"model": {"name": "m", "modality": "image", "encoder": "clip-vit-l-336"},
+            "engine": {"backend": "sim", "profile": "llava-v1.6-34b@h200"},
+            "slo": {"objective": "moderate", "tiers": TIERS}, **kw}
+
+
+def test_a_two_gpu_budget_without_an_allocation_runs_encode_with_local_prefill_and_decode() -> None:
+    spec = parse_spec(small(gpuBudget=2))
+    assert spec.allocation.label() == "1E-0P-1D" and spec.allocation.gpus == 2
+    assert spec.offload.ratio == 0.0  # no remote prefill worker: every prefill local
+    assert "allocation" not in spec.model_fields_set  # still the search's to fill (spec.tuning)
+    assert parse_spec(spec.model_dump(by_alias=True)) == spec  # the runtime config round-trips
+    tuned = parse_spec(small(gpuBudget=2, tuning={"enabled": True, "targetRate": 2.0}))
+    assert tuned.allocation.gpus <= 2
+    # an explicit allocation without remote prefill defaults s to 0 too; an explicit s is kept (and checked)
+    own = small(gpuBudget=4, allocation={"encode": {"replicas": 2}, "prefill": {"replicas": 0}, "decode": {"replicas": 2}})
+    assert parse_spec(own).offload.ratio == 0.0
+    with pytest.raises(ValidationError, match="spec.offload.ratio: is 0.5 but spec.allocation.prefill.replicas is 0"):
+        parse_spec({**own, "offload": {"ratio": 0.5}})
+    # three GPUs and more keep one GPU per pool; other modes keep the plain default they require
+    assert parse_spec(small(gpuBudget=3)).allocation.label() == "1E-1P-1D"
+    agg = parse_spec(small(gpuBudget=2, mode="aggregated"))
+    assert agg.allocation.label() == "1E-1P-1D" and agg.offload.ratio == 1.0
+
+
+def test_one_gpu_without_an_allocation_points_to_the_aggregated_mode() -> None:
+    with pytest.raises(ValidationError, match=r"spec.gpuBudget: is 1: .*spec.mode: aggregated"):
+        parse_spec(small(gpuBudget=1))
+    with pytest.raises(ValidationError, match=r"spec.allocation: needs 3 GPUs \(1E-1P-1D\), more than spec.gpuBudget=1"):
+        parse_spec(small(gpuBudget=1, allocation={"encode": {"replicas": 1}}))

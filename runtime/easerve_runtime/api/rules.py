@@ -92,7 +92,15 @@ def cross_field_errors(spec: EPDDeploymentSpec) -> list[SpecError]:
         errs.append(SpecError("spec.allocation.decode.replicas", "at least one decode worker is required"))
     if a.encode.replicas < 1:
         errs.append(SpecError("spec.allocation.encode.replicas", "at least one encode worker is required"))
-    if a.gpus > spec.gpu_budget:
+    if a.gpus > spec.gpu_budget and "allocation" not in spec.model_fields_set and spec.gpu_budget < 2:
+        errs.append(
+            SpecError(
+                "spec.gpuBudget",
+                f"is {spec.gpu_budget}: the E/P/D pools need at least 2 GPUs (encode with local prefill, decode); "
+                "on one GPU use spec.mode: aggregated",
+            )
+        )
+    elif a.gpus > spec.gpu_budget:
         errs.append(
             SpecError(
                 "spec.allocation",

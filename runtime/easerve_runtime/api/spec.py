@@ -220,6 +220,17 @@ class Allocation(Model):
 
         return "-".join([one("E", self.encode), one("P", self.prefill), one("D", self.decode)])
 
+    @classmethod
+    def default_for(cls, gpu_budget: int | None, mode: Any = None) -> Allocation:
+        """The allocation a disaggregated spec that leaves ``allocation`` out runs (and HAS starts
+        from): one GPU per pool, or, on a 2-GPU budget, one encode GPU that also prefills locally
+        and one decode GPU (``offload.ratio`` then defaults to 0). Why: the 3-GPU default refused
+        every 2-GPU budget, though HAS's space holds the all-local layout and picks it there. Other
+        modes have no E/P/D pools: they keep the plain default (which they require)."""
+        if gpu_budget == 2 and mode in (None, DeploymentMode.DISAGGREGATED, DeploymentMode.DISAGGREGATED.value):
+            return cls(prefill=StageAllocation(replicas=0))
+        return cls()
+
 
 class EncodeSpec(Model):
     """The encode micro-batcher."""
@@ -525,11 +536,17 @@ class EPDDeploymentSpec(Model):
         description="disaggregated (E/P/D pools), omni-colocated (one omni pod per GPU) or aggregated (one "
         "engine per spec.aggregated.tensorParallel GPUs doing encode, prefill and decode: the vLLM-style baseline).",
     )
-    allocation: Allocation = Field(default_factory=Allocation, description="GPUs across the E/P/D pools.")
+    allocation: Allocation = Field(
+        default_factory=lambda data: Allocation.default_for(data.get("gpu_budget"), data.get("mode")),
+        description="GPUs across the E/P/D pools (left out: one GPU per pool; on a 2-GPU budget 1E-0P-1D).",
+    )
     encode: EncodeSpec = Field(default_factory=EncodeSpec, description="The encode micro-batcher.")
     prefill: PrefillSpec = Field(default_factory=PrefillSpec, description="Prefill batching.")
     decode: DecodeSpec = Field(default_factory=DecodeSpec, description="Decode admission.")
-    offload: OffloadSpec = Field(default_factory=OffloadSpec, description="Partial prefill offload.")
+    offload: OffloadSpec = Field(
+        default_factory=lambda data: OffloadSpec(ratio=0.0) if _no_remote_prefill(data) else OffloadSpec(),
+        description="Partial prefill offload (left out with no remote prefill worker: every prefill local).",
+    )
     sm_partition: SMPartitionSpec = Field(
         default_factory=SMPartitionSpec, description="How an encode GPU is split with its local prefill worker."
     )
@@ -565,6 +582,12 @@ class EPDDeploymentSpec(Model):
     @property
     def has_local_prefill(self) -> bool:
         return self.mode == DeploymentMode.DISAGGREGATED and self.offload.ratio < 1.0
+
+
+def _no_remote_prefill(data: dict[str, Any]) -> bool:
+    """Whether the allocation validated so far has no remote prefill worker (the offload default's input)."""
+    alloc = data.get("allocation")
+    return isinstance(alloc, Allocation) and alloc.prefill.replicas == 0
 
 
 def parse_spec(data: dict[str, Any]) -> EPDDeploymentSpec:
