@@ -21,8 +21,10 @@ encode pod's encode workers and its local prefill, which the SM partition splits
 in one process, or MPS between processes), and ``sim.shares`` models that split; they do not
 time-slice each other. ``placement(topology, host_gpus)`` maps each pod replica to the host GPUs
 its processes run on, from the same placement ``easerve serve`` uses (``Topology.placed``, modulo
-the host's GPU count). Without a host GPU count (the Kubernetes case), or with enough GPUs for
-every pod, nothing is shared and every factor is exactly 1.
+the host's GPU count). A pod that spans several GPUs counts as busy on all of them (coarse where
+a host holds part of a pod's GPUs; exact when one GPU holds everything, the runs it was built for).
+Without a host GPU count (the Kubernetes case), or with enough GPUs for every pod, nothing is
+shared and every factor is exactly 1.
 """
 
 from __future__ import annotations
