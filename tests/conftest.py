@@ -49,6 +49,13 @@ _STATE: dict[str, Any] = {}
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # Our Triton kernels (engines/decode_attention.py, gumbel_argmax.py) run under Triton's
+    # interpreter where there is no CUDA device. Triton reads TRITON_INTERPRET once, and importing
+    # transformers' model classes imports Triton, so it is set here, before any module is collected.
+    import importlib.util
+
+    if importlib.util.find_spec("triton") is not None and _no_cuda():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     if _USER_KUBECONFIG is None and "run_dir" not in _STATE:
         run_dir = tempfile.mkdtemp(prefix="easerve-k8s-")
         _STATE["run_dir"] = run_dir

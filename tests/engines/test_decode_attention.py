@@ -76,8 +76,9 @@ def test_split_plans_cover_each_row_and_fill_the_device() -> None:
     assert one > many == 1  # one row is split over the SMs; 128 rows fill them without splitting
 
 
+@pytest.mark.parametrize("arch", ["llava-next", "qwen2.5-vl", "qwen2-audio"])
 def test_the_engine_step_through_the_kernel_equals_the_masked_step(split_kv: None, model_dirs: dict[str, Path],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+                                                                  monkeypatch: pytest.MonkeyPatch, arch: str) -> None:
     import torch
     from easerve_runtime.engines import decode_attention, hf
     from easerve_runtime.engines.hf import HFDecodeEngine
@@ -91,7 +92,7 @@ def test_the_engine_step_through_the_kernel_equals_the_masked_step(split_kv: Non
 
     monkeypatch.setattr(decode_attention, "split_kv_decode_attention", counted)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    eng = HFDecodeEngine(model_dirs["llava-next"], device=dev, dtype=torch.float32, max_slots=4, max_len=512,
+    eng = HFDecodeEngine(model_dirs[arch], device=dev, dtype=torch.float32, max_slots=4, max_len=512,
                          stage_buffers=0, cuda_graphs=False)
     torch.manual_seed(0)
     with torch.inference_mode():
