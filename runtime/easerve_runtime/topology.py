@@ -137,6 +137,11 @@ class Pod:
     def shm(self) -> bool:
         return any(p.shm for p in self.processes)
 
+    @property
+    def node_gpus(self) -> int:
+        """Distinct GPUs one replica of this pod occupies on its node (owned or shared by its processes)."""
+        return len({g for p in self.processes for g in (*p.owns, *p.shares)})
+
     def process(self, stage: Stage) -> list[Process]:
         return [p for p in self.processes if p.stage == stage]
 
@@ -176,7 +181,7 @@ class Topology:
         next_gpu = 0
         for pod, replica in self.replicas():
             first = next_gpu
-            next_gpu += len({g for p in pod.processes for g in (*p.owns, *p.shares)})
+            next_gpu += pod.node_gpus
             for proc in pod.processes:
                 yield pod, replica, proc, tuple(first + g for g in (*proc.owns, *proc.shares))
 

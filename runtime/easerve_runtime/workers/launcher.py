@@ -140,7 +140,7 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
     procs: list[Proc] = []
     count: dict[str, int] = {}
     for pod, replica, p, gpus in topo.placed():
-        gpus_per_pod = max(1, len({g for q in pod.processes for g in (*q.owns, *q.shares)}))
+        gpus_per_pod = max(1, pod.node_gpus)
         stage = str(p.stage)
         index = count.get(stage, 0)
         count[stage] = index + 1
