@@ -131,6 +131,13 @@ def _encode_rate(eng: Any, reqs: list[Any], b: int) -> tuple[float, float]:
     return round(done / (time.perf_counter() - t0), 1), round(1e3 * statistics.median(lat), 2)
 
 
+def _tower_layers(eng: Any) -> int | None:
+    """The encode stage's vision tower depth (it stops at the feature layer: ``truncate_to_feature_layer``)."""
+    tower = getattr(eng.model.model, "vision_tower", None)
+    layers = getattr(getattr(tower, "encoder", None), "layers", None)
+    return len(layers) if layers is not None else None
+
+
 def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
     from easerve_runtime.engines.base import EncodeInput, MediaPart
     from easerve_runtime.engines.hf import HFEncodeEngine
@@ -141,7 +148,8 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
                            "the engine's default chunking (chunk_images), chunk_sweep: other chunk sizes "
                            "(0 = one serial pass, as before)",
                            "batched_preprocess": eng.batched_preprocess, "chunk_images": default_chunk,
-                           "chunk_ramp": default_ramp}
+                           "chunk_ramp": default_ramp, "fused_activations": eng.fused_activations,
+                           "tower_layers": _tower_layers(eng)}
     msgs = ({"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe it."}]},)
     n = 8 if args.smoke else 32 if args.quick else 96
     for name, (h, w) in SIZES.items():
@@ -190,6 +198,14 @@ def bench_encode(args: argparse.Namespace, d: Path) -> dict[str, Any]:
             eng.profile = False
             row[f"microbatch_b{b}_phases_ms"] = dict(eng.last_timing)
         row["chunk_sweep"] = sweep
+        if eng.fused_activations and not args.smoke:  # the same batches with the library's activation
+            from easerve_runtime.engines.quick_gelu import fuse_quick_gelu
+
+            fuse_quick_gelu(eng.model, fused=False)
+            for b in (8, 16):
+                if b <= n:
+                    row[f"microbatch_b{b}_library_act_img_s"], _ = _encode_rate(eng, reqs, b)
+            fuse_quick_gelu(eng.model)
         if "microbatch_b16_img_s" in row:
             row["speedup_b16_vs_passthrough"] = round(row["microbatch_b16_img_s"] / row["passthrough_b1_img_s"], 2)
         res[name] = row

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 
@@ -102,8 +103,49 @@ def test_stage_loading_reads_only_its_weights(model_dirs: dict[str, Path]) -> No
         return sum(p.numel() for p in module.parameters())  # type: ignore[attr-defined]
 
     assert len(enc.model.language_model.layers) == 0 and len(lm.model.language_model.layers) == 2
-    assert n_params(enc.model.vision_tower) > 3 * n_params(lm.model.vision_tower)  # lm: the tower at depth 0
+    assert len(lm.model.vision_tower.encoder.layers) == 0  # lm: the tower at depth 0
+    assert n_params(enc.model.vision_tower) > 2 * n_params(lm.model.vision_tower)
     assert n_params(lm.model.language_model) > 100 * n_params(enc.model.language_model)
+
+
+def test_encode_stage_stops_at_the_feature_layer_with_the_same_features(model_dirs: dict[str, Path]) -> None:
+    """The encode stage's tower ends at ``vision_feature_layer`` (the tiny model's -2 of 2 layers:
+    one layer), and its image features equal the whole model's ``get_image_features`` bit for bit."""
+    import torch
+    import transformers
+    from easerve_runtime.models.loading import load_processor, load_stage
+    from PIL import Image
+
+    d = model_dirs["llava-next"]
+    enc = load_stage(d, "encode")
+    full = transformers.LlavaNextForConditionalGeneration.from_pretrained(d, dtype=torch.float32).eval()
+    depth = full.config.vision_config.num_hidden_layers
+    assert full.config.vision_feature_layer == -2
+    assert len(enc.model.model.vision_tower.encoder.layers) == depth - 1
+    assert enc.config.vision_feature_layer == depth - 1  # the same hidden state, counted from the input
+    proc = load_processor(d)
+    img = Image.fromarray((np.random.default_rng(3).random((90, 130, 3)) * 255).astype("uint8"))
+    px = proc.image_processor([img], return_tensors="pt")
+    with torch.inference_mode():
+        want = full.model.get_image_features(px["pixel_values"], px["image_sizes"]).pooler_output
+        got = enc.model.model.get_image_features(
+            px["pixel_values"], px["image_sizes"], vision_feature_layer=enc.config.vision_feature_layer
+        ).pooler_output
+    assert len(got) == len(want) == 1
+    assert torch.equal(got[0], want[0])
+
+
+def test_feature_layer_outside_the_tower_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from easerve_runtime.models.loading import ModelDirError, truncate_to_feature_layer
+
+    cfg = SimpleNamespace(vision_feature_layer=[-2, 3], vision_config=SimpleNamespace(num_hidden_layers=24))
+    assert truncate_to_feature_layer(cfg) == 23 and cfg.vision_feature_layer == [23, 3]
+    bad = SimpleNamespace(vision_feature_layer=-30, vision_config=SimpleNamespace(num_hidden_layers=24))
+    with pytest.raises(ModelDirError, match="vision_feature_layer"):
+        truncate_to_feature_layer(bad)
+    assert truncate_to_feature_layer(SimpleNamespace(vision_config=SimpleNamespace(depth=4))) is None
 
 
 def test_slot_decode_attention_equals_transformers_sdpa_with_repeated_kv() -> None:

@@ -431,6 +431,7 @@ class _Stage:
 
 ENCODE_CHUNK_ENV = "EASERVE_ENCODE_CHUNK"
 ENCODE_RAMP_ENV = "EASERVE_ENCODE_RAMP"
+FUSED_ACT_ENV = "EASERVE_FUSED_ACT"
 DEFAULT_ENCODE_CHUNK = 8
 """Measured on the H200 (gpu_engine run 3, LLaVA-NeXT tower, 1080p JPEG): equal chunks of 8 were the
 fastest at B = 16 (142 img/s against 130 for one pass, 113 for 1-2-4-9 and 127 for chunks of 4),
@@ -470,6 +471,13 @@ class HFEncodeEngine(_Stage):
         self._prep_pool: Any = None
         self._prep_stream: Any = None
         self._host_stream: Any = None
+        self.fused_activations = 0
+        """How many tower activations run as one Triton kernel (``engines/quick_gelu.py``): on CUDA
+        with Triton, unless ``EASERVE_FUSED_ACT=0``."""
+        if str(device).startswith("cuda") and os.environ.get(FUSED_ACT_ENV, "1") != "0" and _triton_available():
+            from easerve_runtime.engines.quick_gelu import fuse_quick_gelu
+
+            self.fused_activations = fuse_quick_gelu(self.model)
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
         return sum(len(r.parts) for r in batch)

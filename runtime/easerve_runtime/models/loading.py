@@ -83,6 +83,30 @@ class LoadedStage:
         return self.config.text_config
 
 
+def truncate_to_feature_layer(cfg: Any) -> int | None:
+    """Cut a LLaVA-style vision tower after the last layer whose hidden state the model reads.
+
+    Why: LLaVA-NeXT takes its image features from ``vision_feature_layer`` (-2: the penultimate
+    of CLIP ViT-L's 24 layers), yet the library's tower runs every layer and drops the last one's
+    output, 1/24 of the encoder's GPU time spent on nothing (vLLM cuts its CLIP tower the same
+    way). The config's feature layer becomes the same layer counted from the input (absolute
+    indices mean the same hidden state in the shorter tower), so the features are bit for bit the
+    ones the full tower selects, and the stage loads none of the unused layer's weights. Returns
+    the new depth, or None where the family has no such field."""
+    layer = getattr(cfg, "vision_feature_layer", None)
+    vision = getattr(cfg, "vision_config", None)
+    depth = getattr(vision, "num_hidden_layers", None)
+    if layer is None or not isinstance(depth, int) or depth <= 0:
+        return None
+    layers = list(layer) if isinstance(layer, (list, tuple)) else [layer]
+    absolute = [int(x) if x >= 0 else depth + 1 + int(x) for x in layers]
+    if any(not 0 <= a <= depth for a in absolute):
+        raise ModelDirError(f"vision_feature_layer {layer!r} is outside the {depth}-layer vision tower")
+    cfg.vision_feature_layer = absolute if isinstance(layer, (list, tuple)) else absolute[0]
+    vision.num_hidden_layers = max(absolute)
+    return int(vision.num_hidden_layers)
+
+
 def load_stage(
     path: str | Path,
     stage: str,
@@ -112,6 +136,7 @@ def load_stage(
     if stage == "encode":
         cfg.text_config.num_hidden_layers = 0
         cfg.text_config.vocab_size = 8
+        truncate_to_feature_layer(cfg)
     else:
         setattr(getattr(cfg, tower_attr), depth_field, 0)
     mm_token_id = int(getattr(cfg, mm_field))
