@@ -121,7 +121,7 @@ class EPD:
     """Encode + remote prefill + local prefill + one decode worker, in one loop."""
 
     def __init__(self, llava: Path, engines: dict[str, Any], ratio: float, slots: int, chunk: int = 4096,
-                 stage_buffers: int | None = None) -> None:
+                 stage_buffers: int | None = None, max_len: int = 256) -> None:
         from easerve_runtime.engines.hf import HFDecodeEngine
 
         spec = parse_spec({
@@ -135,7 +135,7 @@ class EPD:
         })
         m = Metrics()
         self.metrics = m
-        self.decode_engine = HFDecodeEngine(llava, max_slots=slots, max_len=256, stage_buffers=stage_buffers)
+        self.decode_engine = HFDecodeEngine(llava, max_slots=slots, max_len=max_len, stage_buffers=stage_buffers)
         self.refused = 0
         admit = self.decode_engine.can_admit
 
@@ -366,51 +366,209 @@ def test_qwen_vl_greedy_through_epd_equals_generate(qwen: Path, qwen_engines: di
         assert out["tokens"] == ref(i), f"request {i}: engine {out['tokens']} != generate {ref(i)}"
 
 
-def test_qwen_vl_decode_logits_equal_the_whole_model_and_need_the_delta(qwen: Path,
-                                                                        qwen_engines: dict[str, Any]) -> None:
-    """Greedy tokens of a tiny random model are too coarse to show a wrong rotary offset, so this
-    compares logits: the decode step after the handed-over cache equals the whole model's
-    forward over prompt + first token, and the same step without the delta does not."""
+def decode_logits_against_whole(qwen: Path, engines: dict[str, Any], wire: dict[str, Any],
+                                ref: dict[str, Any]) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """One request through encode, prefill (its KV cache handed over) and one decode step; returns
+    that step's logits with the rotary delta, without it, the whole model's logits over prompt +
+    first token (processor inputs ``ref``), and what encode sent."""
     import torch
     from easerve_runtime.engines.base import DecodeSequence, EncodeInput, PrefillInput, Sampling
     from easerve_runtime.engines.hf import HFDecodeEngine
     from easerve_runtime.workers.wire import part_from_wire
 
-    wire, img, msgs = request(3)
-    emb = qwen_engines["encode"]._encode_sync(
+    msgs = wire["messages"]
+    emb = engines["encode"]._encode_sync(
         [EncodeInput(wire["id"], tuple(part_from_wire(p) for p in wire["parts"]), 3, tuple(msgs))])[0]
-    assert emb.extra["image_grid_thw"] and emb.extra["image_grid_thw"][0][0] == 1
     rows = np.frombuffer(bytes(emb.data), dtype=np.float32).reshape(emb.shape)
-    out = qwen_engines["prefill"].prefill_one(
+    out = engines["prefill"].prefill_one(
         PrefillInput(wire["id"], 1, emb.tokens, embedding=rows, extra=dict(emb.extra), sampling=Sampling(0.0)))
     delta = out.kv_meta["rope_delta"]
-    assert delta < 0  # an image's rows span fewer positions than tokens
     n = len(emb.extra["input_ids"])
-    dec = HFDecodeEngine(qwen, max_slots=1, max_len=256)
+    dec = HFDecodeEngine(qwen, max_slots=1, max_len=1024)
     asyncio.run(dec.admit(DecodeSequence(wire["id"], n, 4, generated=[out.first_token], kv=out.kv,
                                          kv_meta=out.kv_meta)))
     assert dec.rope_delta[wire["id"]] == delta
     ids, pos = torch.tensor([out.first_token]), torch.tensor([n])
     with torch.inference_mode():
-        ours = dec._forward(ids, pos, 1, 256, pos + delta)[0]
-        without = dec._forward(ids, pos, 1, 256, pos)[0]
+        ours = dec._forward(ids, pos, 1, 1024, pos + delta)[0]
+        without = dec._forward(ids, pos, 1, 1024, pos)[0]
 
     proc, model = full_model(qwen)
-    inp = proc(images=[img], text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)],
-               return_tensors="pt")
+    inp = proc(text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)], return_tensors="pt",
+               **ref)
     assert inp["input_ids"][0].tolist() == emb.extra["input_ids"]
     inp["input_ids"] = torch.cat([inp["input_ids"], ids[None]], 1)
     inp["attention_mask"] = torch.ones_like(inp["input_ids"])
     inp["mm_token_type_ids"] = torch.cat([inp["mm_token_type_ids"], torch.zeros_like(inp["mm_token_type_ids"][:, :1])], 1)
     with torch.inference_mode():
         whole = model(**inp).logits[0, -1]
-    assert torch.allclose(ours, whole, atol=1e-5), (ours - whole).abs().max()
+    return ours, without, whole, dict(emb.extra) | {"rope_delta": delta}
+
+
+def test_qwen_vl_decode_logits_equal_the_whole_model_and_need_the_delta(qwen: Path,
+                                                                        qwen_engines: dict[str, Any]) -> None:
+    """Greedy tokens of a tiny random model are too coarse to show a wrong rotary offset, so this
+    compares logits: the decode step after the handed-over cache equals the whole model's
+    forward over prompt + first token, and the same step without the delta does not."""
+    wire, img, _ = request(3)
+    ours, without, whole, sent = decode_logits_against_whole(qwen, qwen_engines, wire, {"images": [img]})
+    assert sent["image_grid_thw"] and sent["image_grid_thw"][0][0] == 1
+    assert sent["rope_delta"] < 0  # an image's rows span fewer positions than tokens
+    assert torch_allclose(ours, whole)
     assert (without - whole).abs().max() > 100 * (ours - whole).abs().max().clamp_min(1e-7)
 
 
-def test_qwen_vl_refuses_video_parts_with_a_message(qwen_engines: dict[str, Any]) -> None:
+def torch_allclose(a: Any, b: Any) -> bool:
+    import torch
+
+    ok = bool(torch.allclose(a, b, atol=1e-5))
+    assert ok, (a - b).abs().max()
+    return ok
+
+
+def test_qwen_vl_refuses_a_container_video_with_a_message(qwen_engines: dict[str, Any]) -> None:
     from easerve_runtime.engines.base import EncodeInput
 
     part = MediaPart("video", b"\x00\x00\x00\x18ftypmp42", "video/mp4", {"frames": 8})
-    with pytest.raises(ValueError, match="request v1: video parts are not served"):
+    with pytest.raises(ValueError, match="request v1: a video/mp4 video is not decoded .* send the video as its frames"):
         qwen_engines["encode"]._encode_sync([EncodeInput("v1", (part,), 0, ())])
+
+
+# -- Qwen2.5-VL video, sent as frames ------------------------------------------------------------
+FRAMES = 4
+
+
+def test_without_torchvision_a_video_is_refused_naming_it(qwen_engines: dict[str, Any]) -> None:
+    """transformers builds Qwen2-VL's video processor only with torchvision: without it (this CPU
+    CI) a frame-list video is refused with a message that says so, and images still serve."""
+    import importlib.util
+
+    from easerve_runtime.engines.base import EncodeInput
+
+    if importlib.util.find_spec("torchvision") is not None and qwen_engines["encode"].processor.video_processor:
+        pytest.skip("torchvision is installed here: the video tests below run instead")
+    _, part = video(1)
+    with pytest.raises(ValueError, match="request v2: videos need the model's video processor.*torchvision"):
+        qwen_engines["encode"]._encode_sync([EncodeInput("v2", (part,), 0, ())])
+
+
+def video(seed: int) -> tuple[Any, MediaPart]:
+    """A short clip of ``FRAMES`` random frames: the ``[T, 3, H, W]`` uint8 tensor the reference
+    hands the processor, and the frame-list part (PNG frames, lossless) the frontend would make."""
+    import torch
+    from easerve_runtime.engines.base import FRAME_LIST_MIME
+
+    frames = [image(100 * seed + k, 56, 84) for k in range(FRAMES)]
+    datas = []
+    for f in frames:
+        buf = io.BytesIO()
+        f.save(buf, format="PNG")
+        datas.append(buf.getvalue())
+    tensor = torch.from_numpy(np.stack([np.asarray(f) for f in frames])).permute(0, 3, 1, 2).contiguous()
+    media = {"frames": FRAMES, "height": 56, "width": 84, "fps": 1.0, "frame_bytes": [len(d) for d in datas]}
+    return tensor, MediaPart("video", b"".join(datas), FRAME_LIST_MIME, media)
+
+
+def video_request(i: int, with_image: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A video (and, with ``with_image``, an image after it: the rows travel images first) and the
+    processor inputs of the same prompt for the reference."""
+    clip, part = video(i)
+    content: list[dict[str, Any]] = [{"type": "video"}]
+    parts = [part]
+    ref: dict[str, Any] = {"videos": [clip], "video_metadata": [{"fps": 1.0, "total_num_frames": FRAMES}],
+                           "do_sample_frames": False}
+    if with_image:
+        _, img, _ = request(i)
+        content.append({"type": "image"})
+        parts.append(MediaPart("image", part_img_bytes(img), "image/png", {"height": img.height, "width": img.width}))
+        ref["images"] = [img]
+    content.append({"type": "text", "text": f"What happens in clip {i}?"})
+    msgs = [{"role": "user", "content": content}]
+    wire = {"id": f"v{i}", "seed": i, "text_tokens": 1, "max_tokens": MAX_TOKENS, "priority": 0,
+            "parts": [part_to_wire(p) for p in parts], "messages": msgs, "temperature": 0.0, "top_p": 1.0}
+    return wire, {**ref, "messages": msgs}
+
+
+def part_img_bytes(img: Any) -> bytes:
+    buf = io.BytesIO()
+    img.save(buf, format="PNG")
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("ratio,route", [(1.0, "remote"), (0.0, "local")])
+def test_qwen_vl_video_greedy_through_epd_equals_generate(qwen: Path, qwen_engines: dict[str, Any], ratio: float,
+                                                          route: str) -> None:
+    """A video sent as frames, alone and beside an image: encode runs the library's video
+    processor and the tower's video path, prefill scatters the rows by the model's own image and
+    video masks and takes the 3-D positions (the videos' grids and seconds per grid) from
+    ``get_rope_index``; the greedy output equals generate's."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
+    proc, model = full_model(qwen)
+
+    def reference(i: int, with_image: bool) -> list[int]:
+        _, ref = video_request(i, with_image)
+        msgs = ref.pop("messages")
+        inp = proc(text=[proc.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)],
+                   return_tensors="pt", **ref)
+        out = model.generate(**inp, max_new_tokens=MAX_TOKENS, do_sample=False)
+        return out[0, inp["input_ids"].shape[1]:].tolist()
+
+    cases = [(5, False), (6, True)]
+
+    async def main() -> list[dict[str, Any]]:
+        async with EPD(qwen, qwen_engines, ratio, slots=4, max_len=1024) as epd:  # a clip is ~300 tokens
+            return list(await asyncio.gather(*(epd.ask(video_request(i, w)[0]) for i, w in cases)))
+
+    for (i, with_image), out in zip(cases, asyncio.run(main()), strict=True):
+        assert out["route"] == route
+        want = reference(i, with_image)
+        assert out["tokens"] == want, f"clip {i}: engine {out['tokens']} != generate {want}"
+
+
+def test_qwen_vl_video_rows_and_grids_travel_to_prefill(qwen: Path, qwen_engines: dict[str, Any]) -> None:
+    """What encode sends for a video beside an image: the images' rows first (``image_rows``), the
+    video's grid (``FRAMES`` frames in temporal pairs) and its seconds per grid (2 frames at 1 fps)."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
+    from easerve_runtime.engines.base import EncodeInput
+    from easerve_runtime.workers.wire import part_from_wire
+
+    wire, _ = video_request(7, with_image=True)
+    emb = qwen_engines["encode"]._encode_sync(
+        [EncodeInput(wire["id"], tuple(part_from_wire(p) for p in wire["parts"]), 1, tuple(wire["messages"]))])[0]
+    (t, h, w), = emb.extra["video_grid_thw"]
+    assert t == FRAMES // 2 and emb.extra["second_per_grid_ts"] == [2.0]
+    (ti, hi, wi), = emb.extra["image_grid_thw"]
+    merge = 4  # spatial_merge_size ** 2
+    assert emb.extra["image_rows"] == ti * hi * wi // merge
+    assert emb.shape[0] == emb.extra["image_rows"] + t * h * w // merge
+
+
+def test_qwen_vl_video_decode_logits_equal_the_whole_model(qwen: Path, qwen_engines: dict[str, Any]) -> None:
+    """The video's 3-D positions at logit level (greedy tokens cannot see them): with the clip's
+    seconds per grid (2 s: 2 frames at 1 fps) the decode step after the handoff equals the whole
+    model's forward; prefill's positions without them, or without the delta, do not."""
+    pytest.importorskip("torchvision", reason="transformers' Qwen2-VL video processor needs torchvision")
+    wire, ref = video_request(8, with_image=True)
+    ref.pop("messages")
+    ours, without, whole, sent = decode_logits_against_whole(qwen, qwen_engines, wire, ref)
+    assert sent["second_per_grid_ts"] == [2.0] and sent["rope_delta"] < 0
+    assert torch_allclose(ours, whole)
+    assert (without - whole).abs().max() > 100 * (ours - whole).abs().max().clamp_min(1e-7)
+    # the same request with the seconds per grid lost on the way: prefill's positions differ
+    lost = dict(wire)
+    ours_lost, _, whole_again, _ = decode_logits_against_whole(
+        qwen, {**qwen_engines, "prefill": _DropSeconds(qwen_engines["prefill"])}, lost, ref)
+    assert (ours_lost - whole_again).abs().max() > 100 * (ours - whole).abs().max().clamp_min(1e-7)
+
+
+class _DropSeconds:
+    """A prefill engine that loses ``second_per_grid_ts`` from what encode sent."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def prefill_one(self, r: Any) -> Any:
+        import dataclasses
+
+        extra = {k: v for k, v in r.extra.items() if k != "second_per_grid_ts"}
+        return self.inner.prefill_one(dataclasses.replace(r, extra=extra))

@@ -56,6 +56,47 @@ def test_audio_duration_from_wav_header() -> None:
     assert audio_seconds(wav(1.0), "wav") == pytest.approx(1.0)
 
 
+def _frames(*sizes: tuple[int, int]) -> list[str]:
+    return ["data:image/png;base64," + base64.b64encode(png(h, w)).decode() for h, w in sizes]
+
+
+def test_video_as_a_frame_list_is_one_part_of_its_frames() -> None:
+    from easerve_runtime.engines.base import FRAME_LIST_MIME, video_frames
+
+    frames = _frames((64, 96), (64, 96), (64, 96))
+    req = parse_chat_request(body({"type": "video", "video": frames, "fps": 4}), NAMES, "video")
+    (part,) = req.parts
+    assert part.kind == "video" and part.mime == FRAME_LIST_MIME
+    assert {k: part.media[k] for k in ("frames", "height", "width", "fps")} == {
+        "frames": 3, "height": 64, "width": 96, "fps": 4.0}
+    assert video_frames(part) == [png(64, 96)] * 3
+    default = parse_chat_request(body({"type": "video", "video": frames[:1]}), NAMES, "video")
+    assert default.parts[0].media["fps"] == 2.0  # qwen-vl-utils' default rate
+
+
+@pytest.mark.parametrize(
+    ("part", "field", "says"),
+    [
+        ({"type": "video", "video": []}, "content[1].video", "at least one image"),
+        ({"type": "video", "video": _frames((64, 96), (32, 96))}, "content[1].video[1]", "differs from the first"),
+        ({"type": "video", "video": ["data:image/png;base64,AAAA"]}, "content[1].video[0]", "not a decodable image"),
+        ({"type": "video", "video": ["https://x/y.png"]}, "content[1].video[0]", "only data: URLs"),
+        ({"type": "video", "video": _frames((64, 96)), "fps": 0}, "content[1].fps", "greater than 0"),
+    ],
+)
+def test_a_bad_frame_list_is_refused_naming_the_frame(part: dict[str, Any], field: str, says: str) -> None:
+    err = reject(body(part), "video")
+    assert err.status == 400 and field in str(err) and says in str(err)
+
+
+def test_a_frame_list_longer_than_the_limit_is_refused() -> None:
+    from easerve_runtime.api.spec import LimitsSpec
+
+    with pytest.raises(RequestError, match="maxVideoFrames"):
+        parse_chat_request(body({"type": "video", "video": _frames(*[(8, 8)] * 5)}), NAMES, "video",
+                           LimitsSpec(maxVideoFrames=4))
+
+
 def test_video_part_with_frames_hint() -> None:
     url = "data:video/mp4;base64," + base64.b64encode(mp4()).decode()
     req = parse_chat_request(

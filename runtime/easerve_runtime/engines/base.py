@@ -43,6 +43,25 @@ class MediaPart:
     media: Mapping[str, Any] = field(default_factory=dict)
 
 
+FRAME_LIST_MIME = "video/x-image-frames"
+"""A video sent as a list of image frames: the part's ``data`` is the frames' bytes end to end and
+``media.frame_bytes`` the length of each (``workers.openai`` makes it, ``video_frames`` splits it)."""
+FRAME_LIST_FPS = 2.0
+"""The frame rate a frame list is taken at when the request does not say (qwen-vl-utils' default)."""
+
+
+def video_frames(part: MediaPart) -> list[bytes] | None:
+    """The frames of a frame-list video part, or None for a container (mp4, webm, avi)."""
+    sizes = part.media.get("frame_bytes") if part.mime == FRAME_LIST_MIME else None
+    if not sizes:
+        return None
+    out, at = [], 0
+    for n in sizes:
+        out.append(part.data[at : at + int(n)])
+        at += int(n)
+    return out
+
+
 @dataclass(frozen=True)
 class Sampling:
     """Per-request sampling: ``temperature <= 0`` is greedy; ``top_p`` nucleus; ``seed`` makes it repeatable."""

@@ -491,31 +491,43 @@ class HFEncodeEngine(_Stage):
 
     def _check_kinds(self, batch: Sequence[EncodeInput]) -> str:
         kind = "audio" if self.family == "qwen2_audio" else "image"
-        if self.family == "qwen2_5_vl" and any(p.kind == "video" for r in batch for p in r.parts):
-            video = next(r for r in batch if any(p.kind == "video" for p in r.parts))
-            raise ValueError(f"request {video.request_id}: video parts are not served by the torch engine yet "
-                             f"(Qwen2.5-VL images are)")
+        served = (kind, "video") if self.family == "qwen2_5_vl" else (kind,)
         for r in batch:
-            bad = [p.kind for p in r.parts if p.kind != kind]
+            bad = [p.kind for p in r.parts if p.kind not in served]
             if bad:
                 raise ValueError(f"request {r.request_id}: {bad[0]} parts are not served by this {self.family} model")
         return kind
 
     def _prepare(self, batch: Sequence[EncodeInput], kind: str, mark: Any = None) -> Any:
-        """Chat template, media decode (nvJPEG on CUDA) and the processor: the model's inputs."""
+        """Chat template, media decode (nvJPEG on CUDA) and the processor: the model's inputs.
+
+        Videos (Qwen2.5-VL, sent as frames) go to the processor as ``[T, 3, H, W]`` tensors, their
+        frames decoded with the images (``engines/video.py``)."""
         texts = self._prompts(batch)
-        parts = [p for r in batch for p in r.parts]
+        parts = [p for r in batch for p in r.parts if p.kind != "video"]
+        videos = [(r.request_id, p) for r in batch for p in r.parts if p.kind == "video"]
         kw: dict[str, Any] = {"text": texts, "return_tensors": "pt", "padding": True}
         if parts and kind == "image":
             imgs = gpu_decode_jpegs(parts, self.device) if self.gpu_decode else None
             kw["images"] = imgs if imgs is not None else [decode_image(p) for p in parts]
-            if mark is not None:
-                mark("decode_media")
             if imgs is not None:
                 kw["device"] = self.device  # the processor's torchvision backend works on the CUDA tensors
         elif parts:
             kw["audio"] = [decode_audio(p) for p in parts]
             kw["sampling_rate"] = AUDIO_RATE
+        if videos:
+            from easerve_runtime.engines.video import decode_videos, video_metadata
+
+            kw["videos"], on_gpu = decode_videos(videos, self.device, self.gpu_decode)
+            if getattr(self.processor, "video_processor", None) is None:
+                raise ValueError(f"request {videos[0][0]}: videos need the model's video processor, which "
+                                 f"transformers builds only with torchvision installed on the encode worker")
+            kw["video_metadata"] = [video_metadata(p) for _, p in videos]
+            kw["do_sample_frames"] = False
+            if on_gpu:
+                kw["device"] = self.device
+        if mark is not None and (parts or videos) and kind == "image":
+            mark("decode_media")
         try:
             enc = self.processor(**kw)
         except (TypeError, ValueError) as exc:
@@ -523,7 +535,10 @@ class HFEncodeEngine(_Stage):
                 raise
             log.info("processor on the GPU failed (%s): CPU fallback", exc)
             kw.pop("device")
-            kw["images"] = [decode_image(p) for p in parts]
+            if "images" in kw:
+                kw["images"] = [decode_image(p) for p in parts]
+            if "videos" in kw:
+                kw["videos"] = [v.cpu() for v in kw["videos"]]
             enc = self.processor(**kw)
         self.last_path = "gpu" if "device" in kw else "cpu"
         return enc
@@ -583,7 +598,7 @@ class HFEncodeEngine(_Stage):
         mark("processor")
         has_parts = any(r.parts for r in batch)
         with torch.inference_mode():
-            feats = self._features(enc) if has_parts else []
+            feats = self._features(enc, [p.kind for r in batch for p in r.parts]) if has_parts else []
             mark("tower")
             # one device->host copy for the whole micro-batch (pinned, on a GPU), then per-request views:
             # a pageable .cpu() per request plus a bytes copy cost ~24 MB x 2 host copies per 1080p image
@@ -638,7 +653,7 @@ class HFEncodeEngine(_Stage):
                             if isinstance(v, torch.Tensor) and v.is_cuda:
                                 v.record_stream(main)
                     has_parts = any(batch[i].parts for i in idx)
-                    feats = self._features(enc) if has_parts else []
+                    feats = self._features(enc, [p.kind for i in idx for p in batch[i].parts]) if has_parts else []
                     host, offsets = self._rows_to_host(feats, wait=False)
                 done.append((idx, enc, host, offsets))
         finally:
@@ -654,27 +669,47 @@ class HFEncodeEngine(_Stage):
         return [e for e in out if e is not None]
 
     def _embeddings(self, batch: Sequence[EncodeInput], enc: Any, host: Any, offsets: list[int]) -> list[Embedding]:
+        """Per request: its rows (a request with images and videos: the images' rows, then the
+        videos', as prefill's ``embed`` scatters them) and, in ``extra``, its prompt ids, text-token
+        count and, for M-RoPE, the grids its positions need."""
+        import torch
+
         ids_all = enc["input_ids"].cpu()
         mask_all = enc["attention_mask"].cpu().bool()
+        video_id = getattr(self.loaded.config, "video_token_id", None) if self.family in MROPE_FAMILIES else None
         out: list[Embedding] = []
-        item = 0
+        item = img_at = vid_at = 0
         for i, r in enumerate(batch):
             ids = ids_all[i][mask_all[i]].tolist()
-            first, last = offsets[item], offsets[item + len(r.parts)]
-            item += len(r.parts)
-            mm = ids.count(self.loaded.mm_token_id)
+            n = len(r.parts)
+            kinds = [p.kind for p in r.parts]
+            first, last = offsets[item], offsets[item + n]
+            mm = ids.count(self.loaded.mm_token_id) + (ids.count(video_id) if video_id is not None else 0)
+            extra: dict[str, Any] = {"input_ids": ids, "text_tokens": len(ids) - mm}
             if r.parts:
                 if last - first != mm:
                     raise RuntimeError(f"request {r.request_id}: {last - first} embedding rows for {mm} placeholders")
                 assert host is not None
-                rows = host[first:last]
+                spans = [host[offsets[item + k] : offsets[item + k + 1]] for k in range(n)]
+                image_spans = [sp for sp, k in zip(spans, kinds, strict=True) if k != "video"]
+                video_spans = [sp for sp, k in zip(spans, kinds, strict=True) if k == "video"]
+                interleaved = bool(video_spans) and kinds != sorted(kinds, key=lambda k: k == "video")
+                rows = torch.cat(image_spans + video_spans) if interleaved else host[first:last]
                 data: bytes | memoryview = memoryview(_host_view(rows)).cast("B")
                 shape, dtype = tuple(rows.shape), str(rows.dtype).removeprefix("torch.")
+                if video_spans:
+                    extra["image_rows"] = sum(int(sp.shape[0]) for sp in image_spans)
             else:
                 data, shape, dtype = b"", (0, 0), "float32"
-            extra: dict[str, Any] = {"input_ids": ids, "text_tokens": len(ids) - mm}
             if self.family in MROPE_FAMILIES and r.parts:  # what prefill's M-RoPE positions need
-                extra["image_grid_thw"] = enc["image_grid_thw"][item - len(r.parts):item].tolist()
+                n_img, n_vid = n - kinds.count("video"), kinds.count("video")
+                if n_img:
+                    extra["image_grid_thw"] = enc["image_grid_thw"][img_at : img_at + n_img].tolist()
+                if n_vid:
+                    extra["video_grid_thw"] = enc["video_grid_thw"][vid_at : vid_at + n_vid].tolist()
+                    extra["second_per_grid_ts"] = [float(x) for x in enc["second_per_grid_ts"][vid_at : vid_at + n_vid]]
+                img_at, vid_at = img_at + n_img, vid_at + n_vid
+            item += n
             out.append(Embedding(r.request_id, data, shape, dtype, extra=extra))
         return out
 
@@ -706,8 +741,9 @@ class HFEncodeEngine(_Stage):
         rows.record_stream(self._host_stream)
         return host, offsets
 
-    def _features(self, enc: Any) -> list[Any]:
-        """Per media item, its embedding rows in prompt order, from the model's own code."""
+    def _features(self, enc: Any, kinds: Sequence[str] = ()) -> list[Any]:
+        """Per media item (``kinds``: each item's kind, in the batch's order), its embedding rows,
+        from the model's own code."""
         import torch
 
         m = self.model.model
@@ -720,9 +756,19 @@ class HFEncodeEngine(_Stage):
                 vision_feature_select_strategy=self.loaded.config.vision_feature_select_strategy,
             ).pooler_output
             return list(feats)
-        if self.family == "qwen2_5_vl":  # the tower over every image's patches, split per image
-            grid = enc["image_grid_thw"].to(dev)
-            return list(m.get_image_features(enc["pixel_values"].to(dev, self.loaded.dtype), grid).pooler_output)
+        if self.family == "qwen2_5_vl":  # the tower over every image's (video's) patches, split per item
+            images, videos = [], []
+            if "pixel_values" in enc:
+                grid = enc["image_grid_thw"].to(dev)
+                images = list(m.get_image_features(enc["pixel_values"].to(dev, self.loaded.dtype), grid).pooler_output)
+            if "pixel_values_videos" in enc:
+                grid = enc["video_grid_thw"].to(dev)
+                videos = list(m.get_video_features(enc["pixel_values_videos"].to(dev, self.loaded.dtype),
+                                                   grid).pooler_output)
+            if not videos:
+                return images
+            next_image, next_video = iter(images), iter(videos)
+            return [next(next_video) if k == "video" else next(next_image) for k in kinds]
         # qwen2_audio: what Qwen2AudioModel.forward does before merging (the class has no
         # get_audio_features): tower over the padded mels, projector, then each clip's valid rows
         from transformers.masking_utils import create_bidirectional_mask
@@ -786,7 +832,9 @@ class HFPrefillEngine(_Stage):
         self.keep_local = share is not None
         """Hand the cache over as the device tensor (``PrefillOutput.kv_local``), not as bytes."""
 
-    def embed(self, ids: Any, rows: Any) -> Any:
+    def embed(self, ids: Any, rows: Any, extra: Mapping[str, Any] | None = None) -> Any:
+        """The prompt's input embeddings with the media rows merged in by the model's own masks
+        (Qwen2.5-VL with videos: ``extra["image_rows"]`` image rows first, then the videos')."""
         import torch
 
         m = self.model.model
@@ -797,7 +845,16 @@ class HFPrefillEngine(_Stage):
         if self.family == "llava_next":
             mask = m.get_placeholder_mask(ids, inputs_embeds=emb, image_features=rows)
         elif self.family == "qwen2_5_vl":
-            mask, _video = m.get_placeholder_mask(ids, inputs_embeds=emb, image_features=rows)
+            n_img = int((extra or {}).get("image_rows", rows.shape[0]))
+            images, videos = rows[:n_img], rows[n_img:]
+            image_mask, video_mask = m.get_placeholder_mask(
+                ids, inputs_embeds=emb, image_features=images if n_img else None,
+                video_features=videos if videos.shape[0] else None)
+            if n_img:
+                emb = emb.masked_scatter(image_mask.to(torch.bool), images)
+            if videos.shape[0]:
+                emb = emb.masked_scatter(video_mask.to(torch.bool), videos)
+            return emb
         else:
             mask = (ids == self.loaded.mm_token_id).unsqueeze(-1)
             if int(mask.sum()) != rows.shape[0]:
@@ -807,17 +864,27 @@ class HFPrefillEngine(_Stage):
     def positions(self, ids: Any, extra: Mapping[str, Any]) -> tuple[Any, int]:
         """The prompt's position ids for the language model and the decode offset (``rope_delta``).
 
-        ``(None, 0)`` (the model's own 1-D positions) except for an M-RoPE family with images:
-        then the model's ``get_rope_index`` over the ids and the images' ``image_grid_thw`` that
-        encode sent, ``[3, 1, L]``, and the offset the next text positions carry."""
+        ``(None, 0)`` (the model's own 1-D positions) except for an M-RoPE family with media:
+        then the model's ``get_rope_index`` over the ids and the grids that encode sent (images'
+        ``image_grid_thw``; videos' ``video_grid_thw`` and ``second_per_grid_ts``), ``[3, 1, L]``,
+        and the offset the next text positions carry."""
         import torch
 
-        grid = extra.get("image_grid_thw")
-        if self.family not in MROPE_FAMILIES or not grid:
+        grid, vgrid = extra.get("image_grid_thw"), extra.get("video_grid_thw")
+        if self.family not in MROPE_FAMILIES or not (grid or vgrid):
             return None, 0
         m = self.model.model
-        types = (ids == self.loaded.mm_token_id).to(torch.int32)  # 1: an image row, 0: text
-        pos, delta = m.get_rope_index(ids, types, image_grid_thw=torch.tensor(grid, device=ids.device))
+        video_id = getattr(self.loaded.config, "video_token_id", None)
+        types = (ids == self.loaded.mm_token_id).to(torch.int32)  # 1: an image row, 2: a video row, 0: text
+        if video_id is not None:
+            types += 2 * (ids == video_id).to(torch.int32)
+        secs = extra.get("second_per_grid_ts")
+        pos, delta = m.get_rope_index(
+            ids, types,
+            image_grid_thw=torch.tensor(grid, device=ids.device) if grid else None,
+            video_grid_thw=torch.tensor(vgrid, device=ids.device) if vgrid else None,
+            second_per_grid_ts=torch.tensor(secs) if secs else None,
+        )
         return pos, int(delta.reshape(-1)[0])
 
     def _stream_ctx(self, sm_share: float) -> Any:
@@ -849,7 +916,7 @@ class HFPrefillEngine(_Stage):
             rows = (torch.from_numpy(arr.copy()).view(torch.bfloat16) if arr.dtype == np.uint16
                     else torch.from_numpy(arr.copy()))
         with torch.inference_mode(), self._stream_ctx(sm_share):
-            emb = self.embed(ids, rows)
+            emb = self.embed(ids, rows, r.extra)
             positions, delta = self.positions(ids, r.extra)
             cache = DynamicCache(config=self.loaded.text_config)
             out = self.model.model.language_model(inputs_embeds=emb, position_ids=positions, past_key_values=cache,

@@ -25,7 +25,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr, ValidationError
 
 from easerve_runtime.api import LimitsSpec, Modality
-from easerve_runtime.engines.base import MediaPart
+from easerve_runtime.engines.base import FRAME_LIST_FPS, FRAME_LIST_MIME, MediaPart
 
 MAX_PART_BYTES = 20 * 1024 * 1024
 """Largest decoded media part (OpenAI's own limit for images is 20 MB)."""
@@ -81,14 +81,18 @@ class VideoURL(_Open):
 
 
 class ContentPart(_Open):
-    """One part of a message's content: text, an image, an audio clip or a video."""
+    """One part of a message's content: text, an image, an audio clip or a video.
+
+    A video is a container (``video_url``: mp4, webm or avi) or, as Qwen's API takes it, its
+    frames (``video``: a list of image data URLs of one size, in order, sampled at ``fps``)."""
 
     type: Literal["text", "image_url", "input_audio", "video_url", "video"]
     text: StrictStr | None = None
     image_url: ImageURL | StrictStr | None = None
     input_audio: InputAudio | None = None
     video_url: VideoURL | StrictStr | None = None
-    video: VideoURL | StrictStr | None = None
+    video: VideoURL | StrictStr | list[StrictStr] | None = None
+    fps: float | None = Field(default=None, gt=0, le=240, description="Frames per second of a frame-list video.")
 
 
 class ChatMessage(_Open):
@@ -480,6 +484,8 @@ def _part(path: str, part: Any, accepts: tuple[str, ...], lim: LimitsSpec) -> tu
             )
         return MediaPart("audio", data, f"audio/{fmt}", {"audio_s": round(secs, 3)}), 0
     obj = part.get("video_url") if kind == "video_url" else part.get("video")
+    if isinstance(obj, list):
+        return _frame_list(f"{path}.video", obj, part.get("fps"), lim), 0
     url = obj.get("url") if isinstance(obj, dict) else obj
     mime, data = _data_url(f"{path}.{kind}.url", url)
     if not _video_ok(data):
@@ -490,6 +496,39 @@ def _part(path: str, part: Any, accepts: tuple[str, ...], lim: LimitsSpec) -> tu
     if frames > lim.max_video_frames:
         raise _bad(f"{path}.{kind}.frames", f"{frames} frames exceed spec.limits.maxVideoFrames ({lim.max_video_frames})")
     return MediaPart("video", data, mime, {"frames": frames, "height": VIDEO_SIDE, "width": VIDEO_SIDE}), 0
+
+
+def _frame_list(path: str, frames: list[Any], fps: Any, lim: LimitsSpec) -> MediaPart:
+    """A video sent as its frames: images of one size, in order. One media part whose ``data`` is
+    the frames' bytes end to end (``media.frame_bytes`` says where each ends), so it travels and is
+    charged (``media.frames``) as one video, and the encoder decodes the frames as images (nvJPEG
+    on a GPU) instead of demuxing a container."""
+    if not frames:
+        raise _bad(path, "a frame list must hold at least one image")
+    if len(frames) > lim.max_video_frames:
+        raise _bad(path, f"{len(frames)} frames exceed spec.limits.maxVideoFrames ({lim.max_video_frames})")
+    if fps is None:
+        fps = FRAME_LIST_FPS
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= 240:
+        raise _bad(path.removesuffix(".video") + ".fps", "must be a number of frames per second in (0, 240]")
+    datas: list[bytes] = []
+    size: tuple[int, int] | None = None
+    for k, url in enumerate(frames):
+        fpath = f"{path}[{k}]"
+        _mime, text = _data_url_text(fpath, url)
+        data = _b64(fpath, text)
+        got = image_size(data)
+        if got is None or min(got) <= 0:
+            raise _bad(fpath, "not a decodable image (png, jpeg, gif, webp or bmp)")
+        _check_pixels(fpath, got, lim)
+        if size is not None and got != size:
+            raise _bad(fpath, f"frame of {got[1]}x{got[0]} differs from the first frame's {size[1]}x{size[0]}")
+        size = got
+        datas.append(data)
+    assert size is not None
+    media = {"frames": len(datas), "height": size[0], "width": size[1], "fps": float(fps),
+             "frame_bytes": [len(d) for d in datas]}
+    return MediaPart("video", b"".join(datas), FRAME_LIST_MIME, media)
 
 
 def _text_chars(msg: Any) -> int:
