@@ -17,8 +17,9 @@ plot.
     python3 benchmarks/gpu_goodput.py --summary [--run run9] [--plot docs/img/gpu_goodput_run9.png]
 
 The baselines' configurations are ``gpu_serve.py``'s (its docstring says which); the aggregated
-baseline's token budget is swept by naming ``aggregated@TOKENS`` systems. On one GPU the
-Dynamo-style layout has no other allocation to sweep (every stage is on that GPU).
+baseline's token budget is swept by naming ``aggregated@TOKENS`` systems, the Dynamo-style
+allocation by naming ``dynamo-style:ALLOC`` systems (``gpu_systems.py``; on one GPU every pod of
+each shares it), and ``easerve:ALLOC:bB:sS`` points count among EAServe's layouts.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serve  # noqa: E402
+from gpu_systems import base_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -76,7 +78,7 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
     systems = {n: s | {"parts": parts[n]} for n, s in gpu_serve.summarize([merged])["runs"][0]["systems"].items()}
     rates = sorted({float(r) for s in systems.values() for r in s["throughput"]})
     out: dict[str, Any] = meta | {"rates": rates, "systems": systems}
-    ours = [n for n in EASERVE if n in systems]
+    ours = [n for n in systems if base_of(n) in EASERVE]  # its fixed layouts and points of HAS's space
     if not ours:
         return out | {"ratios": {}}
 
@@ -88,8 +90,8 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
         return max(gpu_serve.goodput_of(p, "moderate") for p in points[name].values())
 
     def configs(base: str) -> list[str]:
-        """A baseline's measured configurations (``aggregated``, ``aggregated@4096``, ...)."""
-        return [n for n in systems if n.partition("@")[0] == base]
+        """A baseline's measured configurations (``aggregated``, ``aggregated@4096``, ``dynamo-style:e1p2d1``, ...)."""
+        return [n for n in systems if base_of(n) == base]
 
     best_ours = max(ours, key=best)
     ratios: dict[str, Any] = {"easerve_layout": best_ours}

@@ -22,6 +22,9 @@ Systems (``--systems``), on the same GPUs and the same engine:
   chunking: docs/engine.md), and runs the prefill and the decode step as two forwards per iteration.
   As many engines as the easerve system's allocation places on this host's GPUs
   (``--aggregated-gpus`` overrides): one on a one-GPU host.
+- ``easerve:ALLOC:bB:sS`` and ``dynamo-style:ALLOC``: either system at another point of HAS's
+  space (allocation; for EAServe also B and s), e.g. ``easerve:e1p1d1:b4:s0.5``; the grammar is
+  ``gpu_systems.py``'s. Each name's spec goes through the spec model before anything starts.
 
 The topology's GPUs are placed on the host's GPUs in order and wrap when the host has fewer
 (``easerve serve`` sets ``CUDA_VISIBLE_DEVICES`` per process): on one H200 every process of a
@@ -55,49 +58,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_systems import SYSTEMS, System, parse  # noqa: E402  (SYSTEMS: the fixed systems, re-exported)
+
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 STATS_SETTLE_S = 2.5  # > the decode worker's statistics period: the point's last steps are written
 TIERS = (("strict", 2, 60), ("tight", 4, 80), ("moderate", 8, 100), ("loose", 16, 150), ("relaxed", 32, 250))
 
-SYSTEMS: dict[str, dict[str, Any]] = {
-    "easerve": {
-        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
-        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
-        "offload": {"ratio": 0.0},
-        "smPartition": {"mode": "dynamic", "backend": "green-context"},
-        "env": {},
-    },
-    "dynamo-style": {
-        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
-        "encode": {"batchBound": 1, "dispatch": "eager"},
-        "offload": {"ratio": 1.0},
-        "smPartition": {"mode": "none"},
-        "env": {"EASERVE_GPU_DECODE": "0"},
-    },
-    "aggregated": {"mode": "aggregated", "env": {}},
-}
 
 
-SYSTEMS["easerve-own-process"] = {  # easerve with its local prefill in a process of its own (the layout
-    # before the one-process encode + local prefill): the A/B of spec.smPartition.localPrefill
-    **SYSTEMS["easerve"],
-    "smPartition": {**SYSTEMS["easerve"]["smPartition"], "localPrefill": "own-process"},
-}
-
-
-def configured(system: str) -> tuple[str, int | None]:
-    """``NAME`` or ``NAME@TOKENS``: a system of ``SYSTEMS`` and, for ``aggregated@TOKENS``, the
-    token budget of that configuration (the baseline's sweep runs several, ``gpu_goodput.py``
-    keeps the best at each rate). Refuses a name it does not know."""
-    base, _, tokens = system.partition("@")
-    if base not in SYSTEMS:
-        raise ValueError(f"--systems: {base!r} is not one of {', '.join(SYSTEMS)}")
-    if tokens and SYSTEMS[base].get("mode") != "aggregated":
-        raise ValueError(f"--systems: {system!r}: only aggregated takes @TOKENS (its token budget)")
-    if tokens and not tokens.isdigit():
-        raise ValueError(f"--systems: {system!r}: the token budget after @ must be an integer")
-    return base, int(tokens) if tokens else None
+def configured(system: str) -> System:
+    """``system`` parsed (``gpu_systems``: a fixed system, ``aggregated@TOKENS``, or a point of HAS's
+    space such as ``easerve:e1p1d1:b4:s0.5``). Refuses a name it does not know, naming the wrong part."""
+    return parse(system)
 
 
 def log(msg: str) -> None:
@@ -112,27 +86,15 @@ def aggregated_gpus(host_gpus: int) -> int:
 
 def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float, token_budget: int = 2048,
              gpus: int = 1) -> dict[str, Any]:
-    base, tokens = configured(system)
-    s = SYSTEMS[base]
-    token_budget = tokens or token_budget
+    sys_ = configured(system)
     tiers = [
         {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
     ]
-    if s.get("mode") == "aggregated":  # no E/P/D knobs: the aggregated mode refuses them
-        placement: dict[str, Any] = {"mode": "aggregated", "aggregated": {"tokenBudget": token_budget},
-                                     "gpuBudget": gpus}
-    else:
-        placement = {
-            "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
-            "allocation": s["allocation"],
-            "encode": s["encode"],
-            "offload": s["offload"],
-            "smPartition": s["smPartition"],
-        }
+    placement = sys_.placement(token_budget, gpus)
     return {
         "apiVersion": "easerve.io/v1alpha1",
         "kind": "EPDDeployment",
-        "metadata": {"name": f"gpu-{system.replace('@', '-tb')}"},
+        "metadata": {"name": f"gpu-{sys_.slug}"},
         "spec": {
             "model": {
                 "name": "llava-next-7b-random",
@@ -322,22 +284,28 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         rates = [r for r in args.rates if r not in done]
         if not rates:
             continue
+        if time.monotonic() + args.requests / max(rates) + 30 > deadline:  # not even its fastest point fits
+            log(f"{system}: budget spent before it started")
+            runs["skipped"] = "budget"
+            continue
+        runs.pop("skipped", None)
         gpus = args.aggregated_gpus or aggregated_gpus(int(result.get("host_gpus") or 0))
         doc = spec_doc(system, d, args.slo_scale, args.kv_fraction, args.token_budget, gpus)
         runs["spec"] = doc["spec"]
-        spec_path = out / system / "spec.json"
+        workdir = out / configured(system).slug  # a plain directory name whatever the system's name
+        spec_path = workdir / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(doc, indent=1))
-        stats_dir = out / system / "decode-stats"
+        stats_dir = workdir / "decode-stats"
         stats_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **SYSTEMS[configured(system)[0]]["env"],
+        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **configured(system).env,
                "EASERVE_DECODE_STATS": str(stats_dir)}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
         log(f"{system}: starting easerve serve")
         t0 = time.monotonic()
         port += 1
-        srv = Serve(spec_path, out / system, port, env)
+        srv = Serve(spec_path, workdir, port, env)
         try:
             srv.wait(args.start_timeout)
             runs["startup_s"] = round(time.monotonic() - t0, 1)
@@ -436,8 +404,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=None, help="output directory (on the GPU machine: $OUT)")
     p.add_argument("--systems", default="easerve,dynamo-style",
-                   help="comma list of easerve, easerve-own-process, dynamo-style, aggregated, and aggregated@TOKENS "
-                        "(the aggregated baseline at that token budget: its sweep)")
+                   help="comma list of easerve, easerve-own-process, dynamo-style, aggregated, aggregated@TOKENS "
+                        "(the aggregated baseline at that token budget: its sweep), and points of HAS's space: "
+                        "easerve:ALLOC:bB:sS, dynamo-style:ALLOC (benchmarks/gpu_systems.py)")
     p.add_argument("--rates", default="1,2,4,6", type=lambda s: [float(x) for x in s.split(",")])
     p.add_argument("--requests", type=int, default=60, help="requests per rate point")
     p.add_argument("--size", default="7b", choices=["tiny", "7b"], help="tiny: CPU smoke of the harness")
@@ -465,10 +434,24 @@ def main() -> int:
         p.error("--out is required (or --summary)")
     for system in args.systems.split(","):
         try:
-            configured(system)
+            refuse_unservable(spec_doc(system, Path(args.out) / "model", args.slo_scale, args.kv_fraction, args.token_budget,
+                                 args.aggregated_gpus or 1))
         except ValueError as exc:
             p.error(str(exc))
     return run(args)
+
+
+def refuse_unservable(doc: dict[str, Any]) -> None:
+    """Raise ``ValueError`` with the spec model's own words when ``easerve serve`` would refuse ``doc``
+    (e.g. a TP-2 pool on the torch engine): refused here, before a GPU second is spent on it."""
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.api import spec_errors as errors
+    from pydantic import ValidationError
+
+    try:
+        parse_spec(doc["spec"])
+    except ValidationError as exc:
+        raise ValueError(f"--systems: {doc['metadata']['name']}: " + "; ".join(errors(exc))) from None
 
 
 if __name__ == "__main__":

@@ -43,7 +43,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from easerve_runtime.api import EPDDeploymentSpec
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -164,27 +167,44 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
     return f
 
 
-def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
-    from easerve_runtime.api import parse_spec
+def system_profile(system: str, tmp: Path, profile: Path, cpu_pre: Path) -> Path:
+    """The profile the twin times ``system`` with: the measured one, with the CPU-preprocessing
+    run's encode points for a system that decodes its images on the CPU (the Dynamo-style ones:
+    ``EASERVE_GPU_DECODE=0``) when that run is on record."""
+    from gpu_systems import parse
+
+    on_cpu = parse(system).cpu_preprocessing
+    return merged_profile(tmp, profile, cpu_pre if on_cpu and cpu_pre.exists() else None)
+
+
+def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None) -> dict[str, Any]:
+    """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
+    bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
+    ``host_gpus`` GPUs."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
+    reqs = generate(spec, rate, requests, BENCH_SEED)
+    if spec.mode == "aggregated":  # the twin's aggregated replica, in the spec's own layout
+        agg = spec.aggregated_engine
+        layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
+        return simulate_system(spec, reqs, "aggregated", layout=layout).summary
+    # the run's own host: its processes time-slice the GPUs they share (sim.timeslice)
+    return simulate_system(spec, reqs, "easerve", host_gpus=host_gpus).summary
+
+
+def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
+    from easerve_runtime.api import parse_spec
+
     out: dict[str, Any] = {}
     for system, s in run["systems"].items():
-        on_cpu = system == "dynamo-style"  # gpu_serve's SYSTEMS: EASERVE_GPU_DECODE=0
-        pfile = merged_profile(tmp, profile, cpu_pre if on_cpu and cpu_pre.exists() else None)
+        pfile = system_profile(system, tmp, profile, cpu_pre)
         spec = parse_spec(twin_spec(s["spec"], pfile))
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
         rows = []
         for p in pts:
-            reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
-            if spec.mode == "aggregated":  # the twin's aggregated replica, in the spec's own layout
-                agg = spec.aggregated
-                layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
-                res = simulate_system(spec, reqs, "aggregated", layout=layout).summary
-            else:  # the run's own host: its processes time-slice the GPUs they share (sim.timeslice)
-                res = simulate_system(spec, reqs, "easerve", host_gpus=run.get("host_gpus")).summary
+            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"))
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {

@@ -49,3 +49,14 @@ def test_gpus_of_their_own_change_nothing_and_one_shared_gpu_slows_every_stage(l
     assert len(shared.records) == len(alone.records)  # nothing lost
     assert shared.summary["tpot_mean"] > alone.summary["tpot_mean"]
     assert shared.summary["ttft_mean"] > alone.summary["ttft_mean"]
+
+
+def test_has_trial_runner_runs_its_trials_on_the_host_it_is_given(llava_spec) -> None:
+    """``SimRunner(host_gpus=1)``: HAS's trials time-slice one GPU, as the deployment they pick will."""
+    from easerve_operator.tuning.runners.sim import SimRunner
+    from easerve_runtime.sim.runner import cached_model
+
+    own, shared = SimRunner().run_trial(llava_spec, 2.0, 120, 3), SimRunner(host_gpus=1).run_trial(llava_spec, 2.0, 120, 3)
+    want = simulate_system(llava_spec, generate(llava_spec, 2.0, 120, 3), "easerve", cached_model(llava_spec), host_gpus=1)
+    assert shared.tpot_mean == want.summary["tpot_mean"] and shared.ttft_mean == want.summary["ttft_mean"]
+    assert shared.tpot_mean > own.tpot_mean

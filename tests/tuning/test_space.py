@@ -84,6 +84,14 @@ def test_two_gpus_hold_only_the_all_local_layout_at_s_zero(image_spec):
     assert out.sm_partition.mode == "dynamic" and out.allocation.gpus == 2
 
 
+def test_an_engine_without_tensor_parallelism_gets_a_space_without_it(image_spec):
+    """``tp_options=(1,)`` (the torch engine): three GPUs then hold no TP-2 decode pool."""
+    three = two_gpus(image_spec).model_copy(update={"gpu_budget": 3})
+    assert "1E-0P-1D(tp2)" in {a.label for a in space_for(three, 1).allocations}
+    labels = {a.label for a in space_for(three, 1, tp_options=(1,)).allocations}
+    assert labels == {"1E-1P-1D", "2E-0P-1D", "1E-0P-2D"}
+
+
 def test_without_local_prefill_two_gpus_fit_nothing_and_the_error_says_why(image_spec):
     with pytest.raises(ValueError, match=r"spec.gpuBudget=2: .*3 GPUs.*local prefill is off"):
         space_for(two_gpus(image_spec), 1, local_prefill=False)

@@ -279,17 +279,22 @@ def space_for(
     local_prefill: bool = True,
     full_only: bool = True,
     local_tp: int = 1,
+    tp_options: tuple[int, ...] = TP_OPTIONS,
 ) -> SearchSpace:
     """The space for a deployment spec: its GPU budget and the model's ``min_tp``.
+
+    ``tp_options``: the TP degrees the engine can run (the torch engine has no tensor parallelism
+    yet, so a space that is to be deployed on it passes ``(1,)``: a TP-2 pool would be refused).
 
     Raises ``ValueError`` naming ``spec.gpuBudget`` and the smallest budget that would fit when
     no allocation does (e.g. 2 GPUs with local prefill off: each stage then needs its own).
     """
     allocs = enumerate_allocations(
-        spec.gpu_budget, min_tp, full_only=full_only, local_prefill=local_prefill, local_tp=local_tp
+        spec.gpu_budget, min_tp, full_only=full_only, local_prefill=local_prefill, local_tp=local_tp,
+        tp_options=tp_options,
     )
     if not allocs:
-        tp = min(feasible_tps(min_tp), default=min_tp)
+        tp = min(feasible_tps(min_tp, tp_options), default=min_tp)
         why = f"{1 + 2 * tp} GPUs with a remote prefill worker (1 encode, prefill and decode at TP {tp})"
         if local_prefill:
             why += f", or {local_tp + tp} all-local ({local_tp} encode GPU(s) hosting local prefill, decode at TP {tp})"

@@ -64,14 +64,17 @@ def run_trial(
     cv: float = 1.0,
     system: str = "easerve",
     model: StageModel | None = None,
+    host_gpus: int | None = None,
 ) -> dict[str, Any]:
     """One end-to-end trial of ``spec`` at ``rate`` req/s on ``n_requests`` seeded requests.
 
     ``model``: the stage model to time it with (default: the spec's profile as is; the autopilot
-    passes one scaled to what the deployment measures)."""
+    passes one scaled to what the deployment measures). ``host_gpus``: the trial runs on one host
+    with that many GPUs, its pods time-slicing the GPUs they share (``sim.timeslice``), as a
+    deployment on fewer GPUs than its topology does (default: every pod on GPUs of its own)."""
     t0 = time.process_time()
     reqs = generate(spec, rate, n_requests, seed, arrival=arrival, cv=cv)
-    result = simulate_system(spec, reqs, system, model or cached_model(spec))
+    result = simulate_system(spec, reqs, system, model or cached_model(spec), host_gpus=host_gpus)
     out = trial_metrics(result)
     out["cpu_s"] = time.process_time() - t0
     return out
@@ -81,11 +84,13 @@ class SimTrialRunner:
     """``TrialRunner`` for HAS: ``run_trial(spec, rate, requests, seed) -> dict``.
 
     Wrap the dict in ``TrialMetrics.from_dict`` on the operator side (the runtime may not import
-    the operator).
+    the operator). ``host_gpus``: see ``run_trial``.
     """
 
-    def __init__(self, arrival: str = "poisson", cv: float = 1.0, system: str = "easerve") -> None:
-        self.arrival, self.cv, self.system = arrival, cv, system
+    def __init__(self, arrival: str = "poisson", cv: float = 1.0, system: str = "easerve",
+                 host_gpus: int | None = None) -> None:
+        self.arrival, self.cv, self.system, self.host_gpus = arrival, cv, system, host_gpus
 
     def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> dict[str, Any]:
-        return run_trial(spec, rate, requests, seed, arrival=self.arrival, cv=self.cv, system=self.system)
+        return run_trial(spec, rate, requests, seed, arrival=self.arrival, cv=self.cv, system=self.system,
+                         host_gpus=self.host_gpus)

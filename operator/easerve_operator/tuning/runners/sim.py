@@ -18,12 +18,16 @@ DEFAULT_PROFILE_REQUESTS = 256
 
 
 class SimRunner:
-    """``TrialRunner`` on the discrete-event twin (system ``easerve``, the spec as given)."""
+    """``TrialRunner`` on the discrete-event twin (system ``easerve``, the spec as given).
 
-    def __init__(self, arrival: str = "poisson", cv: float = 1.0) -> None:
+    ``host_gpus``: trials run on one host with that many GPUs, the candidate's pods time-slicing
+    the GPUs they share (what a deployment on fewer GPUs than its topology gets: the launcher wraps
+    its GPUs onto the host's); default every pod on GPUs of its own, as on a cluster."""
+
+    def __init__(self, arrival: str = "poisson", cv: float = 1.0, host_gpus: int | None = None) -> None:
         from easerve_runtime.sim.runner import SimTrialRunner
 
-        self._inner = SimTrialRunner(arrival=arrival, cv=cv)
+        self._inner = SimTrialRunner(arrival=arrival, cv=cv, host_gpus=host_gpus)
         self.last: dict[str, Any] = {}
 
     def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> TrialMetrics:

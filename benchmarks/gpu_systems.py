@@ -1,0 +1,216 @@
+"""The systems ``gpu_serve.py`` deploys, by name: the fixed ones, and any point of HAS's space.
+
+Names (``--systems``):
+
+- ``easerve``, ``easerve-own-process``, ``dynamo-style``, ``aggregated``: the fixed systems of
+  ``SYSTEMS`` (``gpu_serve.py``'s docstring says what each runs).
+- ``aggregated@TOKENS``: the aggregated baseline at that token budget (its sweep).
+- ``easerve:ALLOC:bB:sS``: EAServe at one point (allocation, B, s) of HAS's space
+  (``easerve_operator.tuning.space``), e.g. ``easerve:e1p1d1:b4:s0.5``. Everything else is the
+  ``easerve`` system's (Poisson-gap dispatch, 50 ms max age, GPU preprocessing), and the SM split
+  follows ``space.apply_candidate``: dynamic while s < 1, none at s = 1 (no local prefill).
+- ``dynamo-style:ALLOC``: the Dynamo-style baseline on another allocation (its allocation
+  sweep), e.g. ``dynamo-style:e1p2d1``; B = 1 eager, s = 1, no split, CPU preprocessing.
+
+``ALLOC`` reads ``e<N>p<N>d<N>``: encode, prefill and decode workers, with ``tp<K>`` after the
+prefill or decode count for a tensor-parallel pool (``e2p1tp2d1tp4``). ``gpuBudget`` is what the
+allocation spans; on a host with fewer GPUs they wrap (``Topology.placed``), so on one H200 the
+budget is a free parameter: every pod time-slices that one GPU.
+
+Each point has ONE spelling (``s0.5``, not ``s0.50``; ``p1``, not ``p1tp1``): results are keyed
+by name, and two spellings of one configuration would split its points. A bad name is refused
+with a message that names the part that is wrong; what the spec model thinks of a name's spec
+(e.g. TP 2 on the torch engine) is checked by ``gpu_serve.py`` before any GPU time is spent.
+An allocation is HAS's own ``space.Alloc``, so a candidate and its name convert both ways.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from easerve_operator.tuning.space import Alloc
+
+SYSTEMS: dict[str, dict[str, Any]] = {
+    "easerve": {
+        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
+        "offload": {"ratio": 0.0},
+        "smPartition": {"mode": "dynamic", "backend": "green-context"},
+        "env": {},
+    },
+    "dynamo-style": {
+        "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+        "encode": {"batchBound": 1, "dispatch": "eager"},
+        "offload": {"ratio": 1.0},
+        "smPartition": {"mode": "none"},
+        "env": {"EASERVE_GPU_DECODE": "0"},
+    },
+    "aggregated": {"mode": "aggregated", "env": {}},
+}
+SYSTEMS["easerve-own-process"] = {  # easerve with its local prefill in a process of its own (the layout
+    # before the one-process encode + local prefill): the A/B of spec.smPartition.localPrefill
+    **SYSTEMS["easerve"],
+    "smPartition": {**SYSTEMS["easerve"]["smPartition"], "localPrefill": "own-process"},
+}
+
+POINT_SYSTEMS = ("easerve", "dynamo-style")
+"""The systems that take ``:ALLOC`` (EAServe also ``:bB:sS``): the ones HAS's space parametrises."""
+
+_ALLOC = re.compile(r"e(\d+)p(\d+)(?:tp(\d+))?d(\d+)(?:tp(\d+))?")
+_ALLOC_HELP = ("the allocation reads e<N>p<N>d<N>, with tp<K> after the prefill or decode count for a "
+               "tensor-parallel pool (e.g. e1p1d1, e2p0d1, e1p1tp2d1)")
+
+
+def token(a: Alloc) -> str:
+    """The ``ALLOC`` part of a name for allocation ``a`` (its one spelling)."""
+    def tp(k: int) -> str:
+        return f"tp{k}" if k != 1 else ""
+
+    return f"e{a.encode}p{a.prefill}{tp(a.prefill_tp)}d{a.decode}{tp(a.decode_tp)}"
+
+
+@dataclass(frozen=True)
+class System:
+    """A parsed system name: a base of ``SYSTEMS`` and what the name configures on top of it."""
+
+    base: str
+    tokens: int | None = None
+    """``aggregated@TOKENS``: the token budget."""
+    layout: Alloc | None = None
+    """``easerve:`` / ``dynamo-style:``: the allocation, as HAS's space holds it."""
+    batch_bound: int | None = None
+    offload: float | None = None
+
+    @property
+    def name(self) -> str:
+        """The one spelling of this system (``parse(s.name) == s``)."""
+        if self.tokens is not None:
+            return f"{self.base}@{self.tokens}"
+        if self.layout is None:
+            return self.base
+        if self.base == "dynamo-style":
+            return f"{self.base}:{token(self.layout)}"
+        return f"{self.base}:{token(self.layout)}:b{self.batch_bound}:s{_s(self.offload or 0.0)}"
+
+    @property
+    def env(self) -> dict[str, str]:
+        return dict(SYSTEMS[self.base]["env"])
+
+    @property
+    def cpu_preprocessing(self) -> bool:
+        """Image decode and processor on the CPU (the Dynamo-style encode): the twin then times
+        encode with the CPU-preprocessing profile's points."""
+        return self.env.get("EASERVE_GPU_DECODE") == "0"
+
+    @property
+    def slug(self) -> str:
+        """The name as a file and Kubernetes name part (lowercase letters, digits and dashes)."""
+        return self.name.replace("@", "-tb").replace(":", "-").replace(".", "p")
+
+    def placement(self, token_budget: int, gpus: int) -> dict[str, Any]:
+        """The spec fields that make this system (beside model, engine, decode, SLO, discovery)."""
+        s = SYSTEMS[self.base]
+        if s.get("mode") == "aggregated":  # no E/P/D knobs: the aggregated mode refuses them
+            return {"mode": "aggregated", "aggregated": {"tokenBudget": self.tokens or token_budget}, "gpuBudget": gpus}
+        out = {
+            "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
+            "allocation": s["allocation"],
+            "encode": s["encode"],
+            "offload": s["offload"],
+            "smPartition": s["smPartition"],
+        }
+        if self.layout is not None:
+            out.update(gpuBudget=self.layout.gpus, allocation=self.layout.allocation().wire())
+        if self.batch_bound is not None and self.offload is not None:  # as space.apply_candidate sets them
+            out.update(encode={**s["encode"], "batchBound": self.batch_bound}, offload={"ratio": self.offload})
+            if self.offload >= 1.0:
+                out["smPartition"] = {**s["smPartition"], "mode": "none"}
+        return out
+
+
+def _s(s: float) -> str:
+    return f"{round(float(s), 6):g}"
+
+
+def _refuse(system: str, why: str) -> ValueError:
+    return ValueError(f"--systems: {system!r}: {why}")
+
+
+def point(base: str, layout: Alloc, batch_bound: int | None = None, offload: float | None = None) -> System:
+    """The system that deploys ``layout`` (and, for ``easerve``, B and s); checked as a parsed name is."""
+    return parse(System(base, None, layout, batch_bound, offload).name)
+
+
+def parse(system: str) -> System:
+    """``system`` as a ``System``; a ``ValueError`` naming the wrong part for a name it refuses."""
+    base, at, tokens = system.partition("@")
+    base, colon, rest = base.partition(":")
+    if base not in SYSTEMS:
+        raise ValueError(f"--systems: {base!r} is not one of {', '.join(SYSTEMS)}")
+    if at:
+        if colon or SYSTEMS[base].get("mode") != "aggregated":
+            raise _refuse(system, "only aggregated takes @TOKENS (its token budget)")
+        if not tokens.isdigit() or int(tokens) < 1 or str(int(tokens)) != tokens:
+            raise _refuse(system, f"{tokens!r}: the token budget after @ must be a positive integer")
+        return System(base, tokens=int(tokens))
+    if not colon:
+        return System(base)
+    if base not in POINT_SYSTEMS:
+        raise _refuse(system, f"{base} has no configurations to name: only {' and '.join(POINT_SYSTEMS)} take :ALLOC")
+    parts = rest.split(":")
+    want = 3 if base == "easerve" else 1
+    if len(parts) != want:
+        form = "easerve:ALLOC:bB:sS (e.g. easerve:e1p1d1:b4:s0.5)" if want == 3 else "dynamo-style:ALLOC (e.g. dynamo-style:e1p2d1)"
+        raise _refuse(system, f"expected {form}: {want} part(s) after {base}:, got {len(parts)}")
+    layout = _layout(system, parts[0])
+    if base == "dynamo-style":
+        if layout.prefill < 1:
+            raise _refuse(system, f"{parts[0]!r}: the Dynamo-style baseline prefills remotely (s = 1): "
+                                  "it needs a prefill worker (p1 or more)")
+        return System(base, layout=layout)
+    b, s = _batch(system, parts[1]), _offload(system, parts[2])
+    if layout.prefill == 0 and s != 0.0:
+        raise _refuse(system, f"{parts[2]!r}: with no prefill worker (p0) every prefill is local: s must be 0")
+    return System(base, layout=layout, batch_bound=b, offload=s)
+
+
+def _layout(system: str, part: str) -> Alloc:
+    m = _ALLOC.fullmatch(part)
+    if m is None:
+        raise _refuse(system, f"{part!r}: {_ALLOC_HELP}")
+    e, p, ptp, d, dtp = (int(g) if g is not None else 1 for g in m.groups())
+    if e < 1:
+        raise _refuse(system, f"{part!r}: at least one encode worker (e1 or more)")
+    if d < 1:
+        raise _refuse(system, f"{part!r}: at least one decode worker (d1 or more)")
+    if ptp < 1 or dtp < 1:
+        raise _refuse(system, f"{part!r}: a tensor-parallel degree tp<K> must be 1 or more")
+    layout = Alloc(e, p, ptp, d, dtp)
+    if token(layout) != part:
+        raise _refuse(system, f"{part!r}: write {token(layout)!r} (one spelling per allocation)")
+    return layout
+
+
+def _batch(system: str, part: str) -> int:
+    if not re.fullmatch(r"b[1-9]\d*", part):
+        raise _refuse(system, f"{part!r}: the encode batch bound reads b<B>, B an integer >= 1 (e.g. b4)")
+    return int(part[1:])
+
+
+def _offload(system: str, part: str) -> float:
+    try:
+        s = float(part[1:]) if part.startswith("s") else None
+    except ValueError:
+        s = None
+    if s is None or not 0.0 <= s <= 1.0:
+        raise _refuse(system, f"{part!r}: the offload ratio reads s<S>, 0 <= S <= 1 (e.g. s0.5)")
+    if f"s{_s(s)}" != part:
+        raise _refuse(system, f"{part!r}: write 's{_s(s)}' (one spelling per offload ratio)")
+    return round(s, 6)
+
+
+def base_of(system: str) -> str:
+    """The base of a name without checking it (names in old result files may predate the grammar)."""
+    return re.split(r"[@:]", system, maxsplit=1)[0]

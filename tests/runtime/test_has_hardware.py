@@ -1,0 +1,123 @@
+"""Issue 17 item 5 on the CPU: ``has_hardware.py --plan`` (HAS on the calibrated twin, small), its
+``--summary`` verdict on synthetic result files, and ``--deploy``'s skipping. No GPU."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from easerve_operator.tuning.space import Alloc
+from easerve_runtime.api import parse_spec
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import gpu_serve  # noqa: E402
+import has_hardware  # noqa: E402
+from gpu_systems import parse  # noqa: E402
+
+
+def spec_of(system: str) -> dict:
+    return gpu_serve.spec_doc(system, Path("/models/llava"), 4.0, 0.45)["spec"]
+
+
+# ------------------------------------------------------------------ --plan
+@pytest.fixture(scope="module")
+def small_plan() -> dict:
+    return has_hardware.plan(3.5, pods=3, requests=40, trials=8, progress=False)
+
+
+def test_the_plan_picks_a_point_of_has_space_and_names_it_deployably(small_plan: dict) -> None:
+    space = small_plan["space"]
+    assert space["allocations"] == ["1E-0P-2D", "1E-1P-1D", "2E-0P-1D"]  # 3 pods, TP 1
+    top = small_plan["top"]
+    assert small_plan["pick"] == top[0]["system"] and 1 <= len(top) <= 3
+    assert len({t["system"] for t in top}) == len(top)
+    for t in top:
+        sys_ = parse(t["system"])
+        assert Alloc.from_dict(t["alloc"]) == sys_.layout and t["allocation"] in space["allocations"]
+        assert 1 <= sys_.batch_bound <= space["max_batch"] and sys_.offload == t["offload_ratio"]
+        parse_spec(spec_of(t["system"]))
+        # the spec the name deploys is the one HAS's trial ran: the twin says the same of both
+        assert t["twin"]["goodput"] == pytest.approx(t["has_trial_goodput"], abs=1e-4)
+    assert [t["has_trial_goodput"] for t in top][1:] == sorted((t["has_trial_goodput"] for t in top[1:]), reverse=True)
+    assert small_plan["groups"]["baselines"] == ["dynamo-style:e1p1d1", "aggregated@1024", "aggregated@2048",
+                                                 "aggregated@4096"]
+    for name in small_plan["groups"]["has"] + small_plan["groups"]["baselines"]:
+        parse_spec(spec_of(name))
+
+
+# ------------------------------------------------------------------ --summary
+def pt(rate: float, moderate: float, requests: int = 40) -> dict:
+    return {"rate": rate, "requests": requests, "goodput": {"moderate": moderate, "strict": 0.0}, "throughput": rate}
+
+
+def test_the_summary_compares_the_pick_with_the_best_of_the_sweep_and_the_top_3(tmp_path: Path) -> None:
+    plan = {"rate": 3.5, "pick": "easerve:e1p1d1:b4:s0.5",
+            "groups": {"has": ["easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b2:s0", "easerve:e1p0d2:b4:s0"],
+                       "baselines": ["dynamo-style:e1p1d1", "aggregated@1024", "aggregated@2048"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "has_hardware_h200_a.json").write_text(json.dumps({"host_gpus": 1, "systems": {
+        "easerve:e1p1d1:b4:s0.5": {"points": [pt(3.5, 2.8)]},
+        "easerve:e2p0d1:b2:s0": {"points": [pt(3.5, 2.9)]},
+        "easerve:e1p0d2:b4:s0": {"points": [], "error": "TimeoutError: easerve serve not ready in 120 s"},
+    }}))
+    (tmp_path / "has_hardware_h200_b.json").write_text(json.dumps({"host_gpus": 1, "systems": {
+        "dynamo-style:e1p1d1": {"points": [pt(3.5, 2.6)]},
+        "aggregated@1024": {"points": [pt(3.5, 2.95)]},
+    }}))
+    r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "has_hardware.py"), "--summary", "--plan-file",
+                        str(tmp_path / "plan.json"), "--measured", str(tmp_path / "has_hardware_h200_*.json")],
+                       capture_output=True, text=True, check=True, cwd=REPO)
+    s = json.loads(r.stdout)
+    v = s["rates"]["3.5"]
+    assert v["pick_goodput"] == 2.8 and v["best"] == "aggregated@1024" and v["best_goodput"] == 2.95
+    assert v["ratio"] == round(2.8 / 2.95, 4) and v["meets_bar"] is (2.8 / 2.95 >= 0.95)
+    assert v["complete"] is False and v["not_measured"] == ["easerve:e1p0d2:b4:s0", "aggregated@2048"]
+    assert set(v["systems"]) == {"easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b2:s0", "dynamo-style:e1p1d1",
+                                 "aggregated@1024"}
+    assert v["systems"]["dynamo-style:e1p1d1"]["role"] == "dynamo-style"
+    for name, row in v["systems"].items():  # beside each: the twin on that point's 40 requests, one host GPU
+        assert row["twin"] == has_hardware.predict(name, 3.5, 40, tmp_path)["goodput"] > 0
+    assert "not ready" in s["failed"]["easerve:e1p0d2:b4:s0"]
+
+
+def test_the_pick_as_the_best_measured_meets_the_bar(tmp_path: Path) -> None:
+    plan = {"rate": 2.0, "pick": "easerve:e1p1d1:b4:s0.5",
+            "groups": {"has": ["easerve:e1p1d1:b4:s0.5"], "baselines": ["dynamo-style:e1p1d1"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    f = tmp_path / "has_hardware_h200_a.json"
+    f.write_text(json.dumps({"host_gpus": 1, "systems": {
+        "easerve:e1p1d1:b4:s0.5": {"points": [pt(2.0, 1.9)]}, "dynamo-style:e1p1d1": {"points": [pt(2.0, 1.5)]}}}))
+    s = has_hardware.summary(tmp_path / "plan.json", [f])
+    v = s["rates"]["2"]
+    assert v["ratio"] == 1.0 and v["meets_bar"] is True and v["complete"] is True
+
+
+def test_a_point_measured_twice_is_refused(tmp_path: Path) -> None:
+    for part in "ab":
+        (tmp_path / f"has_hardware_h200_{part}.json").write_text(json.dumps(
+            {"systems": {"dynamo-style:e1p1d1": {"points": [pt(3.5, 2.0)]}}}))
+    with pytest.raises(SystemExit, match="dynamo-style:e1p1d1 at 3.5"):
+        has_hardware.measured_points(sorted(tmp_path.glob("*.json")))
+
+
+def test_deploy_skips_what_is_measured_and_what_does_not_fit(tmp_path: Path) -> None:
+    """No GPU: every system is either measured already or over the budget, so nothing starts."""
+    plan = {"rate": 3.5, "pods": 3, "pick": "easerve:e1p1d1:b4:s0.5",
+            "groups": {"has": ["easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b2:s0"], "baselines": ["aggregated@1024"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "has_hardware_h200_a.json").write_text(json.dumps(
+        {"systems": {"easerve:e1p1d1:b4:s0.5": {"points": [pt(3.5, 2.8)]}}}))
+    out = tmp_path / "out"
+    rc = has_hardware.main(["--deploy", "--plan-file", str(tmp_path / "plan.json"), "--out", str(out), "--group", "all",
+                            "--measured", str(tmp_path / "has_hardware_h200_*.json"), "--budget-s", "100"])
+    assert rc == 0
+    rep = json.loads((out / "has_hardware_deploy.json").read_text())
+    assert rep["ran"] == []
+    assert [s["system"] for s in rep["skipped"]] == ["easerve:e2p0d1:b2:s0", "aggregated@1024"]
+    assert rep["skipped"][0]["needs_s"] == round(has_hardware.system_cost_s([3.5], 300))
+    assert json.loads((out / "gpu_serve.json").read_text())["has_hardware_plan"]["pick"] == plan["pick"]
