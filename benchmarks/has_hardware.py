@@ -62,6 +62,11 @@ RESULTS = REPO / "benchmarks" / "results"
 PLAN = RESULTS / "has_hardware_plan_h200.json"
 MEASURED = str(RESULTS / "has_hardware_h200_*.json")
 HOST_GPUS = 1  # one H200 is lent: every pod of a system runs on it
+PROFILES = (RESULTS / "engine_profile_h200_llava7b_run10.json",
+            RESULTS / "engine_profile_h200_llava7b_cpu_preprocess_run10.json")
+"""The engine profile the twin is calibrated with, and its CPU-preprocessing encode points (for the
+Dynamo-style systems): ``twin_agreement.py --measure`` of the engine that run 10 deploys (after the
+split-KV decode attention, the fused draw, the cut tower and the fused activation)."""
 PODS = 3
 REQUESTS = 300  # gpu_goodput.py's points
 SLO_SCALE, KV_FRACTION = 4.0, 0.45  # gpu_serve.py's defaults, which the deploy runs with
@@ -83,7 +88,7 @@ def twin_doc(system: str, tmp: Path) -> dict[str, Any]:
     """The spec ``gpu_serve.py`` deploys for ``system``, served by the twin on the measured profile
     (twin_agreement's way: the CPU-preprocessing encode points for the Dynamo-style systems)."""
     doc = gpu_serve.spec_doc(system, Path("model"), SLO_SCALE, KV_FRACTION, gpus=gpu_serve.aggregated_gpus(HOST_GPUS))
-    return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, ta.PROFILE, ta.PROFILE_CPU_PRE))
+    return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
 
 
 def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int = HOST_GPUS) -> dict[str, Any]:
@@ -169,7 +174,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         out = {
             "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS,
             "requests": requests, "seed": ta.BENCH_SEED, "slo_scale": SLO_SCALE, "objective": f"goodput@{TIER}",
-            "profile": str(ta.PROFILE.relative_to(REPO)), "space": result.space.to_dict(),
+            "profile": str(PROFILES[0].relative_to(REPO)), "space": result.space.to_dict(),
             "has": {"trials": len(result.real_trials), "trial_budget": trials, "stop": result.stop_reason,
                     "stage1_kept": [s.alloc.label for s in result.stage1.seeds] if result.stage1 else [],
                     "tried": [{"system": system_of(r.candidate), "goodput": None if r.value is None else round(r.value, 4)}
@@ -292,6 +297,7 @@ def summary(plan_file: Path, files: list[Path]) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global PROFILES
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--plan", action="store_true", help="HAS on the calibrated twin (default; CPU)")
@@ -314,8 +320,12 @@ def main(argv: list[str] | None = None) -> int:
                          "start, e.g. out of KV memory, would otherwise hold the GPU for gpu_serve's 400 s)")
     ap.add_argument("--size", default="7b", choices=["tiny", "7b"], help="--deploy: tiny is a CPU smoke")
     ap.add_argument("--measured", default=MEASURED, help="--deploy/--summary: result files (glob)")
+    ap.add_argument("--profile", default=str(PROFILES[0]),
+                    help="--plan: the engine profile the twin is calibrated with (its CPU-preprocessing twin beside it)")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
+    prof = Path(args.profile).resolve()
+    PROFILES = (prof, prof.with_name(prof.name.replace("llava7b", "llava7b_cpu_preprocess")))
     if args.summary:
         files = [Path(f) for f in sorted(glob.glob(args.measured))]
         if not files:
