@@ -163,3 +163,18 @@ def test_image_size_formats() -> None:
     )
     assert image_size(jpeg + b"\x00" * 16) == (3, 5)
     assert image_size(b"\x00" * 32) is None
+
+
+def test_the_bench_sends_a_jpeg_video_as_frames_the_frontend_takes() -> None:
+    """``easerve bench --image-format jpeg``: a video goes as its JPEG frames (what the torch engine
+    serves); the frontend reads it back as one video of that many frames at that size."""
+    from easerve_runtime.bench.payloads import media_part
+    from easerve_runtime.engines.base import FRAME_LIST_MIME
+
+    part = media_part("video", {"frames": 5, "height": 48, "width": 64}, "jpeg")
+    assert part is not None and part["type"] == "video" and len(part["video"]) == 5
+    (got,) = parse_chat_request(body(part), NAMES, "video").parts
+    assert got.mime == FRAME_LIST_MIME and {k: got.media[k] for k in ("frames", "height", "width")} == {
+        "frames": 5, "height": 48, "width": 64}
+    container = media_part("video", {"frames": 5, "height": 48, "width": 64}, "png")
+    assert container is not None and container["type"] == "video_url"  # the sim path's mp4 box, as before

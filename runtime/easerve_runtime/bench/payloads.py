@@ -8,7 +8,8 @@ per distinct size and cached.
 
 ``--image-format jpeg`` sends photo-like JPEGs instead (a smooth colour field plus grain, quality
 90, built with Pillow): what real clients send, and what the encode worker's GPU decode (nvJPEG)
-takes. It costs the client a few ms per distinct size, once.
+takes. It costs the client a few ms per distinct size, once. A video is then sent as its frames
+(a ``video`` part of JPEG data URLs, the form the torch engine serves), not as a container.
 """
 
 from __future__ import annotations
@@ -107,6 +108,10 @@ def media_part(modality: str, media: dict[str, Any], image_format: str = "png") 
             "input_audio": {"data": _b64("audio", (float(media["audio_s"]),)), "format": "wav"},
         }
     if modality == "video":
+        if image_format == "jpeg":  # the video as its frames (what the torch engine decodes, on nvJPEG)
+            size = (int(media.get("height", 448)), int(media.get("width", 448)))
+            frame = f"data:image/jpeg;base64,{_b64('jpeg', size)}"
+            return {"type": "video", "video": [frame] * int(media["frames"])}
         data = _b64("video", ())
         return {
             "type": "video_url",

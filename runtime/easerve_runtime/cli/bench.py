@@ -23,7 +23,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--modality", default="image", choices=["image", "video", "audio", "text"])
     parser.add_argument(
         "--image-format", default="png", choices=["png", "jpeg"],
-        help="png: a solid colour, no client CPU (default); jpeg: photo-like JPEGs, as real clients send.",
+        help="png: a solid colour, no client CPU (default); jpeg: photo-like JPEGs, as real clients send "
+        "(videos then go as JPEG frames, the form the torch engine serves, not as an mp4 container).",
     )
     parser.add_argument(
         "--ignore-eos", action="store_true",
