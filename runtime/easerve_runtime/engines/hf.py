@@ -529,7 +529,14 @@ class HFEncodeEngine(_Stage):
         if mark is not None and (parts or videos) and kind == "image":
             mark("decode_media")
         try:
-            enc = self.processor(**kw)
+            enc = None
+            if "images" in kw and not videos:  # the prompts tokenized before the placeholders expand
+                from easerve_runtime.engines.prompt_ids import expanded_inputs
+
+                extra_kw = {"device": kw["device"]} if "device" in kw else {}
+                enc = expanded_inputs(self.processor, texts, kw["images"], **extra_kw)
+            if enc is None:
+                enc = self.processor(**kw)
         except (TypeError, ValueError) as exc:
             if "device" not in kw:
                 raise
