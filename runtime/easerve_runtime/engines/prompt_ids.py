@@ -46,9 +46,12 @@ def expanded_inputs(processor: Any, texts: Sequence[str], images: Sequence[Any],
     padding = text_kwargs.pop("padding", False)
     tensors = text_kwargs.pop("return_tensors", None)
     want_types = text_kwargs.pop("return_mm_token_type_ids", False)
-    if text_kwargs.pop("return_text_replacement_offsets", False):
-        return None  # an output this path does not make: the processor makes it
+    if text_kwargs.pop("return_text_replacement_offsets", False) or any(
+            text_kwargs.get(k) for k in ("truncation", "max_length", "pad_to_multiple_of")):
+        return None  # an output or a length rule this path does not make: the processor does
     short = processor.tokenizer(list(texts), **text_kwargs)
+    if set(short.keys()) - {"input_ids", "attention_mask"}:
+        return None  # e.g. token_type_ids: the processor returns what its tokenizer returns
     runs = iter(counts)
     rows: list[Any] = []
     for row in short["input_ids"]:
