@@ -59,19 +59,13 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_systems import SYSTEMS, System, parse  # noqa: E402  (SYSTEMS: the fixed systems, re-exported)
+from gpu_systems import SYSTEMS, parse  # noqa: E402  (SYSTEMS: the fixed systems, re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 STATS_SETTLE_S = 2.5  # > the decode worker's statistics period: the point's last steps are written
 TIERS = (("strict", 2, 60), ("tight", 4, 80), ("moderate", 8, 100), ("loose", 16, 150), ("relaxed", 32, 250))
 
-
-
-def configured(system: str) -> System:
-    """``system`` parsed (``gpu_systems``: a fixed system, ``aggregated@TOKENS``, or a point of HAS's
-    space such as ``easerve:e1p1d1:b4:s0.5``). Refuses a name it does not know, naming the wrong part."""
-    return parse(system)
 
 
 def log(msg: str) -> None:
@@ -86,12 +80,12 @@ def aggregated_gpus(host_gpus: int) -> int:
 
 def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float, token_budget: int = 2048,
              gpus: int = 1) -> dict[str, Any]:
-    sys_ = configured(system)
+    sys_ = parse(system)  # refuses a name it does not know, naming the wrong part
     tiers = [
         {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
     ]
     placement = sys_.placement(token_budget, gpus)
-    return {
+    doc = {
         "apiVersion": "easerve.io/v1alpha1",
         "kind": "EPDDeployment",
         "metadata": {"name": f"gpu-{sys_.slug}"},
@@ -110,6 +104,14 @@ def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float,
             "discovery": {"backend": "file"},
         },
     }
+    if sys_.candidate is not None:  # a point of HAS's space: B, s and the SM split as HAS deploys them
+        from easerve_operator.tuning.space import apply_candidate
+        from easerve_runtime.api import parse_spec
+
+        spec = apply_candidate(parse_spec(doc["spec"]), sys_.candidate)
+        for key, value in (("encode", spec.encode), ("offload", spec.offload), ("smPartition", spec.sm_partition)):
+            doc["spec"][key] = value.model_dump(mode="json", by_alias=True, exclude_unset=True)
+    return doc
 
 
 def model_dir(out: Path, size: str) -> Path:
@@ -292,13 +294,14 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         gpus = args.aggregated_gpus or aggregated_gpus(int(result.get("host_gpus") or 0))
         doc = spec_doc(system, d, args.slo_scale, args.kv_fraction, args.token_budget, gpus)
         runs["spec"] = doc["spec"]
-        workdir = out / configured(system).slug  # a plain directory name whatever the system's name
+        system_ = parse(system)
+        workdir = out / system_.slug  # a plain directory name whatever the system's name
         spec_path = workdir / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(doc, indent=1))
         stats_dir = workdir / "decode-stats"
         stats_dir.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **configured(system).env,
+        env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **system_.env,
                "EASERVE_DECODE_STATS": str(stats_dir)}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")

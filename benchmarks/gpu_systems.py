@@ -7,8 +7,8 @@ Names (``--systems``):
 - ``aggregated@TOKENS``: the aggregated baseline at that token budget (its sweep).
 - ``easerve:ALLOC:bB:sS``: EAServe at one point (allocation, B, s) of HAS's space
   (``easerve_operator.tuning.space``), e.g. ``easerve:e1p1d1:b4:s0.5``. Everything else is the
-  ``easerve`` system's (Poisson-gap dispatch, 50 ms max age, GPU preprocessing), and the SM split
-  follows ``space.apply_candidate``: dynamic while s < 1, none at s = 1 (no local prefill).
+  ``easerve`` system's (Poisson-gap dispatch, 50 ms max age, GPU preprocessing); B, s and the SM
+  split are set by HAS's own ``space.apply_candidate`` (``System.candidate``).
 - ``dynamo-style:ALLOC``: the Dynamo-style baseline on another allocation (its allocation
   sweep), e.g. ``dynamo-style:e1p2d1``; B = 1 eager, s = 1, no split, CPU preprocessing.
 
@@ -30,7 +30,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from easerve_operator.tuning.space import Alloc
+from easerve_operator.tuning.space import Alloc, Candidate
 
 SYSTEMS: dict[str, dict[str, Any]] = {
     "easerve": {
@@ -123,11 +123,15 @@ class System:
         }
         if self.layout is not None:
             out.update(gpuBudget=self.layout.gpus, allocation=self.layout.allocation().wire())
-        if self.batch_bound is not None and self.offload is not None:  # as space.apply_candidate sets them
-            out.update(encode={**s["encode"], "batchBound": self.batch_bound}, offload={"ratio": self.offload})
-            if self.offload >= 1.0:
-                out["smPartition"] = {**s["smPartition"], "mode": "none"}
         return out
+
+    @property
+    def candidate(self) -> Candidate | None:
+        """An ``easerve:`` point as HAS's candidate: ``gpu_serve.spec_doc`` applies it with HAS's own
+        ``space.apply_candidate`` (B, s and what s implies for the SM split), not a copy of that rule."""
+        if self.layout is None or self.batch_bound is None or self.offload is None:
+            return None
+        return Candidate(self.layout, self.batch_bound, self.offload)
 
 
 def _s(s: float) -> str:
