@@ -697,15 +697,15 @@ class HFEncodeEngine(_Stage):
                 if last - first != mm:
                     raise RuntimeError(f"request {r.request_id}: {last - first} embedding rows for {mm} placeholders")
                 assert host is not None
-                spans = [host[offsets[item + k] : offsets[item + k + 1]] for k in range(n)]
-                image_spans = [sp for sp, k in zip(spans, kinds, strict=True) if k != "video"]
-                video_spans = [sp for sp, k in zip(spans, kinds, strict=True) if k == "video"]
-                interleaved = bool(video_spans) and kinds != sorted(kinds, key=lambda k: k == "video")
-                rows = torch.cat(image_spans + video_spans) if interleaved else host[first:last]
+                rows = host[first:last]
+                if "video" in kinds:  # the images' rows first, then the videos' (a copy only if interleaved)
+                    spans = [host[offsets[item + k] : offsets[item + k + 1]] for k in range(n)]
+                    image_spans = [sp for sp, k in zip(spans, kinds, strict=True) if k != "video"]
+                    if kinds != sorted(kinds, key=lambda k: k == "video"):
+                        rows = torch.cat(image_spans + [sp for sp, k in zip(spans, kinds, strict=True) if k == "video"])
+                    extra["image_rows"] = sum(int(sp.shape[0]) for sp in image_spans)
                 data: bytes | memoryview = memoryview(_host_view(rows)).cast("B")
                 shape, dtype = tuple(rows.shape), str(rows.dtype).removeprefix("torch.")
-                if video_spans:
-                    extra["image_rows"] = sum(int(sp.shape[0]) for sp in image_spans)
             else:
                 data, shape, dtype = b"", (0, 0), "float32"
             if self.family in MROPE_FAMILIES and r.parts:  # what prefill's M-RoPE positions need
