@@ -63,6 +63,13 @@ from gpu_systems import SYSTEMS, parse  # noqa: E402  (SYSTEMS: the fixed system
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
+ENGINE_PROFILE = RESULTS / "engine_profile_h200_llava7b_run11.json"
+ENGINE_PROFILE_CPU_PRE = RESULTS / "engine_profile_h200_llava7b_cpu_preprocess_run11.json"
+"""The served spec's latency profile from run 11 on (``--profile-file``): this engine's own, measured
+on the H200 (``twin_agreement.py --measure``, calibrated at zero load), with the CPU-preprocessing
+encode points for the Dynamo-style systems. The frontend sizes its admission queue from the
+profile's capacity; runs 1-10 served with the shipped ``llava-v1.6-34b@h200`` (a 34B backbone's
+capacity: 7 places for EAServe at 5.5 req/s, which refused 28 of 300 requests in run 10)."""
 STATS_SETTLE_S = 2.5  # > the decode worker's statistics period: the point's last steps are written
 TIERS = (("strict", 2, 60), ("tight", 4, 80), ("moderate", 8, 100), ("loose", 16, 150), ("relaxed", 32, 250))
 
@@ -79,7 +86,9 @@ def aggregated_gpus(host_gpus: int) -> int:
 
 
 def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float, token_budget: int = 2048,
-             gpus: int = 1) -> dict[str, Any]:
+             gpus: int = 1, profile_file: Path | None = None) -> dict[str, Any]:
+    """The spec ``system`` is served with; its latency profile is ``profile_file`` when given, else
+    the shipped ``llava-v1.6-34b@h200`` (runs 1-10)."""
     sys_ = parse(system)  # refuses a name it does not know, naming the wrong part
     tiers = [
         {"name": n, "ttftSeconds": round(t / slo_scale, 3), "tpotMs": round(p / slo_scale, 2)} for n, t, p in TIERS
@@ -97,7 +106,8 @@ def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float,
                 "path": str(model_dir),
                 "randomWeights": True,
             },
-            "engine": {"backend": "torch", "profile": "llava-v1.6-34b@h200"},
+            "engine": ({"backend": "torch", "profileFile": str(profile_file)} if profile_file is not None
+                       else {"backend": "torch", "profile": "llava-v1.6-34b@h200"}),
             "decode": {"kvMemoryFraction": kv_fraction},
             **placement,
             "slo": {"objective": "moderate", "tiers": tiers},
@@ -112,6 +122,19 @@ def spec_doc(system: str, model_dir: Path, slo_scale: float, kv_fraction: float,
         for key, value in (("encode", spec.encode), ("offload", spec.offload), ("smPartition", spec.sm_partition)):
             doc["spec"][key] = value.model_dump(mode="json", by_alias=True, exclude_unset=True)
     return doc
+
+
+def served_profile(system: str, workdir: Path, profile: str) -> Path | None:
+    """The profile file ``system`` is served with (None: the shipped one): ``profile``, with the
+    CPU-preprocessing run's encode points for a system that preprocesses on the CPU (the twin's
+    choice, ``twin_agreement.system_profile``), written into ``workdir``."""
+    if not profile:
+        return None
+    import twin_agreement
+
+    main = Path(profile).resolve()
+    cpu_pre = main.with_name(main.name.replace("llava7b", "llava7b_cpu_preprocess"))
+    return twin_agreement.system_profile(system, workdir, main, cpu_pre)
 
 
 def model_dir(out: Path, size: str) -> Path:
@@ -292,10 +315,12 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
             continue
         runs.pop("skipped", None)
         gpus = args.aggregated_gpus or aggregated_gpus(int(result.get("host_gpus") or 0))
-        doc = spec_doc(system, d, args.slo_scale, args.kv_fraction, args.token_budget, gpus)
-        runs["spec"] = doc["spec"]
         system_ = parse(system)
         workdir = out / system_.slug  # a plain directory name whatever the system's name
+        workdir.mkdir(parents=True, exist_ok=True)
+        doc = spec_doc(system, d, args.slo_scale, args.kv_fraction, args.token_budget, gpus,
+                       served_profile(system, workdir, args.profile_file))
+        runs["spec"] = doc["spec"]
         spec_path = workdir / "spec.json"
         spec_path.parent.mkdir(parents=True, exist_ok=True)
         spec_path.write_text(json.dumps(doc, indent=1))
@@ -421,6 +446,9 @@ def main() -> int:
     p.add_argument("--aggregated-gpus", type=int, default=0,
                    help="aggregated: GPUs, one engine each (default: as many as the easerve system spans here)")
     p.add_argument("--start-timeout", type=float, default=400)
+    p.add_argument("--profile-file", default=str(ENGINE_PROFILE),
+                   help="the served spec's latency profile (the engine's measured one); '' for the shipped "
+                        "llava-v1.6-34b@h200 that runs 1-10 used")
     p.add_argument("--budget-s", type=float, default=560, help="stop starting new points after this")
     p.add_argument("--mps", action="store_true", help="run the systems under an MPS daemon (one shared GPU)")
     p.add_argument("--summary", action="store_true", help="print the summary of benchmarks/results/gpu_serve_*.json")

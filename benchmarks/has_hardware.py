@@ -29,7 +29,9 @@ host GPU), so the budget is the number of pods. Three is what the systems measur
 already run (Dynamo-style E1 P1 D1) and what fits memory at gpu_serve's ``kvMemoryFraction`` 0.45
 (each pod holding the backbone takes ~15 GB; a fourth would leave the decode worker a few GB of
 KV). The space is restricted to TP 1 (``tp_options=(1,)``): the torch engine has no tensor
-parallelism, and a TP-2 pool would be refused by the spec model.
+parallelism, and a TP-2 pool would be refused by the spec model. Since pods on one GPU are not
+hardware, the space holds every layout of at most ``--pods`` pods (``full_only`` off): fewer pods
+time-slice the GPU less.
 
     python benchmarks/has_hardware.py --plan --rate 3.5 --save
     # GPU machine, two calls (~6.5 and ~8.5 minutes), then commit each DIR/gpu_serve.json as
@@ -62,11 +64,12 @@ RESULTS = REPO / "benchmarks" / "results"
 PLAN = RESULTS / "has_hardware_plan_h200.json"
 MEASURED = str(RESULTS / "has_hardware_h200_*.json")
 HOST_GPUS = 1  # one H200 is lent: every pod of a system runs on it
-PROFILES = (RESULTS / "engine_profile_h200_llava7b_run10.json",
-            RESULTS / "engine_profile_h200_llava7b_cpu_preprocess_run10.json")
+PROFILES = (gpu_serve.ENGINE_PROFILE, gpu_serve.ENGINE_PROFILE_CPU_PRE)
 """The engine profile the twin is calibrated with, and its CPU-preprocessing encode points (for the
-Dynamo-style systems): ``twin_agreement.py --measure`` of the engine that run 10 deploys (after the
-split-KV decode attention, the fused draw, the cut tower and the fused activation)."""
+Dynamo-style systems): ``twin_agreement.py --measure`` of the engine that run 11 deploys, with the
+serving path and the decode loop's overhead calibrated at zero load (``--calibrate-path``). The
+deployed systems are served with the same file (``gpu_serve.ENGINE_PROFILE``). Run 10's plan used
+``engine_profile_h200_llava7b_run10.json`` (``--profile``)."""
 PODS = 3
 REQUESTS = 300  # gpu_goodput.py's points
 SLO_SCALE, KV_FRACTION = 4.0, 0.45  # gpu_serve.py's defaults, which the deploy runs with
@@ -117,7 +120,11 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     base.pop("allocation")  # HAS chooses it
     spec = parse_spec(base)
     profiler = SimStageProfiler(spec, rate=rate)
-    space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp(), tp_options=(1,))
+    # Pods that share host GPUs are not hardware: a layout of fewer pods than the budget time-slices
+    # the GPU less, and can win there (run 10: E1 P0 D1 measured above every 3-pod layout). So the
+    # space holds every layout within the budget, not only those that use all of it.
+    space = space_for(spec, profiler.min_tp(), local_tp=profiler.local_prefill_tp(), tp_options=(1,),
+                      full_only=pods <= HOST_GPUS)
     bar = None
     if progress:
         from tqdm import tqdm

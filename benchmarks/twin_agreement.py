@@ -117,28 +117,38 @@ def measure_path(out: Path, size: str) -> int:
 # ------------------------------------------------------------------ the twin half
 def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
     """``request_path_ms`` of each system's profile: the served TTFT p50 at zero load minus the twin's
-    (the same requests, the profile without a path term). Writes it into the profile files."""
+    (the same requests, the profile without a path term). ``decode_loop_overhead_ms`` of the
+    measured profile: the served TPOT p50 at zero load minus the twin's without that term (the
+    decode loop's host time per iteration beyond the profiled step; the mean over the systems,
+    which run the same decode worker). Writes both into the profile files."""
     from easerve_runtime.api import parse_spec
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
     run = json.loads(zero_load.read_text())
     out: dict[str, Any] = {}
+    decode_gaps: list[float] = []
     with tempfile.TemporaryDirectory() as t:
         for system, s in run["systems"].items():
             target = cpu_pre if system == "dynamo-style" else profile
             (p,) = s["points"]
             spec = parse_spec(twin_spec(s["spec"], merged_profile(Path(t), profile, cpu_pre if target == cpu_pre else None,
-                                                                   path_ms=0.0)))
+                                                                   path_ms=0.0, decode_overhead_ms=0.0)))
             reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
             res = simulate_system(spec, reqs, "easerve", host_gpus=run.get("host_gpus")).summary
             gap_ms = 1e3 * (p["ttft"]["p50"] - res["ttft"]["p50"])
+            decode_gaps.append(1e3 * (p["tpot"]["p50"] - res["tpot"]["p50"]))
             doc = json.loads(target.read_text())
             doc["engine"]["request_path_ms"] = round(max(0.0, gap_ms), 1)
             target.write_text(json.dumps(doc, indent=1) + "\n")
             out[system] = {"rate": p["rate"], "requests": p["requests"], "measured_ttft_p50": p["ttft"]["p50"],
                            "twin_ttft_p50_without_path": res["ttft"]["p50"], "request_path_ms": doc["engine"]["request_path_ms"],
+                           "measured_tpot_p50": p["tpot"]["p50"], "twin_tpot_p50_without_overhead": res["tpot"]["p50"],
                            "profile": str(target.relative_to(REPO)) if target.is_relative_to(REPO) else str(target)}
+    doc = json.loads(profile.read_text())
+    doc["engine"]["decode_loop_overhead_ms"] = round(max(0.0, sum(decode_gaps) / len(decode_gaps)), 2) if decode_gaps else 0.0
+    profile.write_text(json.dumps(doc, indent=1) + "\n")
+    out["decode_loop_overhead_ms"] = doc["engine"]["decode_loop_overhead_ms"]
     return out
 
 
@@ -152,9 +162,11 @@ def twin_spec(spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
     return d
 
 
-def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: float | None = None) -> Path:
+def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: float | None = None,
+                   decode_overhead_ms: float | None = None) -> Path:
     """The measured profile, its encode points and request path replaced by ``encode_from``'s (the
-    CPU-preprocess run's); ``path_ms`` overrides the request path (0: the engines alone)."""
+    CPU-preprocess run's); ``path_ms`` overrides the request path (0: the engines alone), and
+    ``decode_overhead_ms`` the decode loop's overhead (0: the profiled step alone)."""
     doc = json.loads(profile.read_text())
     if encode_from is not None:
         other = json.loads(encode_from.read_text())["engine"]
@@ -162,6 +174,8 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
         doc["engine"]["request_path_ms"] = other.get("request_path_ms")
     if path_ms is not None:
         doc["engine"]["request_path_ms"] = path_ms
+    if decode_overhead_ms is not None:
+        doc["engine"]["decode_loop_overhead_ms"] = decode_overhead_ms
     f = tmp / f"profile-{'cpu' if encode_from else 'gpu'}.json"
     f.write_text(json.dumps(doc))
     return f

@@ -267,3 +267,22 @@ def test_encode_and_local_prefill_take_one_green_level_from_one_split(monkeypatc
     enc.device = "cpu"
     with enc._stream_ctx(0.5) as a:
         assert a is None
+
+
+def test_prefill_on_a_gpu_keeps_sdpa_off_cudnn_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """cuDNN attention builds a graph per new sequence length (43 ms a first call on the H200,
+    benchmarks/prefill_shapes.py), and served prompts seldom repeat one: a prefill engine on a GPU
+    turns that backend off for its process; on the CPU, or with EASERVE_CUDNN_SDPA=1, it is left."""
+    import torch
+    from easerve_runtime.engines.hf import CUDNN_SDPA_ENV, prefer_flash_prefill
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        assert prefer_flash_prefill("cpu") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.setenv(CUDNN_SDPA_ENV, "1")
+        assert prefer_flash_prefill("cuda:0") is False and torch.backends.cuda.cudnn_sdp_enabled()
+        monkeypatch.delenv(CUDNN_SDPA_ENV)
+        assert prefer_flash_prefill("cuda:0") is True and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(before)

@@ -490,3 +490,78 @@ def test_the_request_path_delays_every_first_token_by_its_length_in_the_twin(tmp
     assert ttft[0.0].keys() == ttft[200.0].keys() and len(ttft[0.0]) == 80
     for rid, t in ttft[0.0].items():
         assert ttft[200.0][rid] == pytest.approx(t + 0.2, abs=1e-9), rid
+
+
+def test_the_decode_loop_overhead_is_added_to_every_decode_step_of_the_twin(tmp_path: Path) -> None:
+    """``engine.decode_loop_overhead_ms`` is the served loop's host time per iteration: with the GPU
+    to itself (one replica, no shared host GPU), every request's tokens after the first arrive one
+    step plus that overhead apart, so the mean TPOT grows by exactly it at low load; the request's
+    first token (prefill) does not move."""
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    res = {}
+    for ms in (0.0, 5.0):
+        doc = _engine_doc()
+        doc["engine"]["decode_loop_overhead_ms"] = ms
+        f = tmp_path / f"o{ms}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        assert spec_profile(spec).decode_overhead_s == pytest.approx(ms / 1e3)
+        reqs = generate(spec, 0.05, 6, 3)  # 20 s apart: every request decodes alone
+        outputs = {r.id: r.output_tokens for r in reqs}
+        res[ms] = {r.id: r for r in simulate(spec, reqs, "easerve", sweep=False).records if r.ok}
+    assert res[0.0].keys() == res[5.0].keys() and len(res[0.0]) == 6
+    for rid, r0 in res[0.0].items():
+        r5 = res[5.0][rid]
+        assert r5.first_token_s == pytest.approx(r0.first_token_s, abs=1e-9)
+        steps = outputs[rid] - 1
+        assert (r5.finish_s - r5.first_token_s) - (r0.finish_s - r0.first_token_s) == pytest.approx(steps * 0.005, rel=1e-6)
+
+
+def test_a_sequential_engine_prefills_whole_prompts_and_pays_prefill_plus_decode_in_the_aggregated_twin(tmp_path: Path) -> None:
+    """``engine.mixed_iteration: sequential`` (the torch engine's aggregated worker) times an
+    iteration as prefill + decode step, not the larger of the two, and prefills whole prompts:
+    the same work takes longer than under ``fused``, and no prompt is split over iterations."""
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    out = {}
+    for mode in ("fused", "sequential"):
+        doc = _engine_doc()
+        doc["engine"]["mixed_iteration"] = mode
+        f = tmp_path / f"{mode}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        assert spec_profile(spec).mixed_iteration == mode
+        reqs = generate(spec, 4.0, 60, 3)
+        r = simulate(spec, reqs, "aggregated", sweep=False)
+        out[mode] = r
+    assert out["fused"].summary["completed"] == out["sequential"].summary["completed"] == 60
+    assert out["sequential"].stats["prefilled_tokens"] == out["fused"].stats["prefilled_tokens"]
+    assert out["sequential"].summary["tpot"]["mean"] > out["fused"].summary["tpot"]["mean"]
+    # whole prompts: the iterations that prefill are at most one per request's prompt, and each
+    # prompt runs in one (fused chunks split long prompts over several)
+    assert out["sequential"].stats["iterations"] < out["fused"].stats["iterations"]
+
+
+def test_an_unknown_mixed_iteration_is_refused_naming_the_field() -> None:
+    doc = _engine_doc()
+    doc["engine"]["mixed_iteration"] = "overlapped"
+    with pytest.raises(ValueError, match="engine.mixed_iteration"):
+        parse_profile_file(doc)
+
+
+def test_the_admission_capacity_reads_a_profile_file(tmp_path: Path) -> None:
+    """The frontend sizes its admission queue from ``saturation_rps(spec)``: a spec that gives its
+    profile as a file (an engine's measured one) is sized from that file, not refused (it was:
+    ``load_profile(None)``, and the frontend fell back to 1 req/s)."""
+    from easerve_runtime.profiles.capacity import saturation_rps
+
+    slow = _engine_doc()
+    slow["engine"]["decode"] = [{"batch": 1, "context_tokens": 2900, "ms": 450.0}, {"batch": 64, "context_tokens": 190000, "ms": 700.0}]
+    f = tmp_path / "slow.json"
+    f.write_text(json.dumps(slow))
+    shipped = saturation_rps(parse_spec(_spec(profile="llava-v1.6-34b@h200")))
+    measured = saturation_rps(parse_spec(_spec(profileFile=str(f))))
+    assert 0 < measured < shipped  # a 10x slower decode step is a smaller capacity, read from the file

@@ -32,7 +32,8 @@ def small_plan() -> dict:
 
 def test_the_plan_picks_a_point_of_has_space_and_names_it_deployably(small_plan: dict) -> None:
     space = small_plan["space"]
-    assert space["allocations"] == ["1E-0P-2D", "1E-1P-1D", "2E-0P-1D"]  # 3 pods, TP 1
+    # at most 3 pods, TP 1: on one host GPU a layout of fewer pods (1E-0P-1D) is in the space too
+    assert space["allocations"] == ["1E-0P-1D", "1E-0P-2D", "1E-1P-1D", "2E-0P-1D"]
     top = small_plan["top"]
     assert small_plan["pick"] == top[0]["system"] and 1 <= len(top) <= 3
     assert len({t["system"] for t in top}) == len(top)

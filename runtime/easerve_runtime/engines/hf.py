@@ -822,11 +822,33 @@ class HFEncodeEngine(_Stage):
         return await asyncio.to_thread(self._encode_on_share, batch, sm_share)
 
 
+CUDNN_SDPA_ENV = "EASERVE_CUDNN_SDPA"
+
+
+def prefer_flash_prefill(device: str) -> bool:
+    """Keep torch's SDPA off its cuDNN backend on a GPU (unless ``EASERVE_CUDNN_SDPA=1``); True when
+    it was turned off here.
+
+    Why: on the H200 (torch 2.11) torch picks cuDNN attention for a causal prefill, and cuDNN builds
+    a graph for every new sequence length: 43 ms on the first call at a length, 0.28 ms on a repeat,
+    against 0.24 / 0.22 ms for flash attention (``benchmarks/prefill_shapes.py``, run 11). Served
+    prompts seldom repeat a length, so a 7B prefill paid it on nearly every request: 125 ms on the
+    first call of a length against 65 ms repeated (the run-11 engine profile). The setting is
+    process-wide; the decode step's attention is its own kernel, or pins an SDPA backend itself."""
+    if not str(device).startswith("cuda") or os.environ.get(CUDNN_SDPA_ENV, "0") == "1":
+        return False
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    return True
+
+
 class HFPrefillEngine(_Stage):
     """:class:`PrefillEngine`: merge rows with the model's placeholder logic, run the LM, sample, pack KV.
 
     On an encode GPU with an SM split, ``pool`` (a ``GreenContextPool``) gives the partner stream
     for the current share, so the prefill's kernels run on the SMs the partition record grants.
+    Its attention runs on flash attention, not cuDNN (``prefer_flash_prefill``).
     """
 
     def __init__(self, path: str | Path, *, device: str = "cpu", dtype: Any = None, random_weights: bool = False,
@@ -838,6 +860,7 @@ class HFPrefillEngine(_Stage):
         self.pool = pool
         self.keep_local = share is not None
         """Hand the cache over as the device tensor (``PrefillOutput.kv_local``), not as bytes."""
+        self.flash_prefill = prefer_flash_prefill(device)
 
     def embed(self, ids: Any, rows: Any, extra: Mapping[str, Any] | None = None) -> Any:
         """The prompt's input embeddings with the media rows merged in by the model's own masks

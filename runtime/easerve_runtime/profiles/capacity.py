@@ -20,10 +20,10 @@ MAX_DECODE_BATCH = 256
 
 def saturation_rps(spec: EPDDeploymentSpec, n: int = 400, seed: int = 0) -> float:
     """Requests/s at which the first stage of ``spec``'s allocation saturates (inf if none does)."""
-    from easerve_runtime.profiles import load_profile
+    from easerve_runtime.profiles import spec_profile
     from easerve_runtime.workload import generate
 
-    p = load_profile(spec.engine.profile)
+    p = spec_profile(spec)  # a shipped name, a profile file or a mounted ConfigMap alike
     reqs = generate(spec, rate=1.0, n=n, seed=seed)
     a, s, bb = spec.allocation, spec.offload.ratio, spec.encode.batch_bound
     items = statistics.fmean(r.encoder_items for r in reqs)

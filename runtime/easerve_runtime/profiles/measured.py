@@ -35,12 +35,18 @@ class StageCorrections:
     decode: Curve | None = None  # x: sequences per step
     source: str = ""  # "<engine> on <device>", for reports
     request_path_s: float = 0.0  # the serving path's own latency per request (no GPU busy for it)
+    decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step (no GPU busy)
+    mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
 
     def summary(self) -> dict[str, Any]:
         """The ratios at the measured points (what a report prints)."""
         out: dict[str, Any] = {"source": self.source}
         if self.request_path_s:
             out["request_path_ms"] = round(self.request_path_s * 1e3, 3)
+        if self.decode_overhead_s:
+            out["decode_loop_overhead_ms"] = round(self.decode_overhead_s * 1e3, 3)
+        if self.mixed_iteration != "fused":
+            out["mixed_iteration"] = self.mixed_iteration
         for name in ("encode", "prefill", "decode"):
             c = getattr(self, name)
             if c is not None:
@@ -75,4 +81,5 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
     )
     path_ms = doc.get("request_path_ms")
     return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
-                            float(path_ms or 0.0) / 1e3)
+                            float(path_ms or 0.0) / 1e3, float(doc.get("decode_loop_overhead_ms") or 0.0) / 1e3,
+                            str(doc.get("mixed_iteration") or "fused"))

@@ -85,6 +85,18 @@ class Profile:
         ``request_path_ms``; 0 for a modelled profile, which knows nothing of the host)."""
         return self.corrections.request_path_s if self.corrections is not None else 0.0
 
+    @property
+    def decode_overhead_s(self) -> float:
+        """The served decode loop's cost per iteration beyond the step (an engine profile's
+        ``decode_loop_overhead_ms``; 0 for a modelled profile)."""
+        return self.corrections.decode_overhead_s if self.corrections is not None else 0.0
+
+    @property
+    def mixed_iteration(self) -> str:
+        """How the engine's aggregated loop runs prefill beside decode: ``fused`` (the modelled
+        vLLM-style engine) or ``sequential`` (an engine profile that says so)."""
+        return self.corrections.mixed_iteration if self.corrections is not None else "fused"
+
     # ------------------------------------------------------------------ sizes
     @property
     def weight_bytes(self) -> int:

@@ -171,10 +171,12 @@ class EncodePointDoc(_Doc):
 
 
 class PrefillPointDoc(_Doc):
-    """One prefill measured on an engine: a ``tokens``-token prompt to its first token, in ``ms``."""
+    """One prefill measured on an engine: a ``tokens``-token prompt to its first token, in ``ms`` (the
+    first call at that length, as serving pays it); ``warm_ms``: the same prompt repeated at once."""
 
     tokens: int = Field(gt=0)
     ms: float = Field(gt=0)
+    warm_ms: float | None = Field(default=None, gt=0)
 
 
 class DecodePointDoc(_Doc):
@@ -203,6 +205,18 @@ class EngineDoc(_Doc):
         "token (HTTP, chat parsing, request-plane hops, embedding bytes over the wire), measured at zero load: "
         "the served TTFT p50 minus the engines' own. The twin adds it to every request's path; no GPU is "
         "busy for it.")
+    decode_loop_overhead_ms: float | None = Field(
+        default=None, ge=0,
+        description="What each iteration of the served decode loop costs beyond the step timed above (host "
+        "bookkeeping, admission, streaming tokens out), measured at zero load: the served loop's mean iteration "
+        "minus this profile's step at the same batch and context. The twin adds it to every decode step; no GPU "
+        "is busy for it.")
+    mixed_iteration: Literal["fused", "sequential"] | None = Field(
+        default=None,
+        description="How the engine's aggregated loop runs an iteration that prefills and decodes. fused: one "
+        "forward over prefill chunks and decode tokens (vLLM's chunked prefill), timed as the larger of the two; "
+        "sequential: whole prompts are prefilled, then the decode step runs, timed as their sum (the torch "
+        "engine's aggregated worker). Unset: fused.")
 
 
 class ProfileFileDoc(_Doc):

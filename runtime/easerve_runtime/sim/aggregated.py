@@ -10,7 +10,11 @@ Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
 - a mixed iteration costs ``encode + max(prefill(new + running tokens), decode step)``: one fused
   forward pass streams the weights once, so its time is the larger of its compute-bound prefill
   part and its bandwidth-bound decode part. That is the generous reading (vLLM's chunked prefill
-  gets close to it); we give the baseline its best case.
+  gets close to it); we give the baseline its best case. A profile measured on an engine that
+  does not fuse says so (``engine.mixed_iteration: sequential``, the torch engine's aggregated
+  worker): it prefills whole prompts (the planner's ``chunked=False``), then steps decode, and
+  the iteration costs ``encode + prefill + decode step``. Either way each iteration that decodes
+  pays the profile's measured ``decode_loop_overhead_ms`` (host time, 0 for a modelled profile).
 - The vision/audio encoder is sharded over the replica's ``tp`` GPUs (vLLM uses tensor-parallel
   layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
 
@@ -53,7 +57,10 @@ class AggregatedReplica:
         self.loop, self.model, self.tp, self.name = loop, model, tp, name
         self.token_budget, self.max_seqs = token_budget, max_seqs
         self.kv_capacity = model.kv_capacity_bytes(tp)
-        self.planner: AggregatedPlanner[Job] = AggregatedPlanner(token_budget, max_seqs, self.kv_capacity)
+        self.sequential = model.mixed_iteration == "sequential"
+        self.planner: AggregatedPlanner[Job] = AggregatedPlanner(
+            token_budget, max_seqs, self.kv_capacity, chunked=not self.sequential
+        )
         self.finishing: list[tuple[int, int, Job]] = []
         self.ctx_sum = 0
         self.step = 0
@@ -91,13 +98,17 @@ class AggregatedReplica:
         tokens, n = it.tokens, it.decodes
         m = self.model
         enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
-        if chunks and n:
+        if chunks and n and self.sequential:
+            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(chunks)) + m.decode_step_s(n, self.ctx_sum, self.tp)
+        elif chunks and n:
             prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
             dt = enc + max(prefill, m.decode_step_s(n, self.ctx_sum, self.tp))
         elif chunks:
             dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(chunks))
         else:
             dt = m.decode_step_s(n, self.ctx_sum, self.tp)
+        if n:
+            dt += m.decode_overhead_s
         self.items_sum += items
         self.tokens_sum += tokens
         self.decoded += n

@@ -89,6 +89,11 @@ class StageModel:
         self.request_path_s = float(getattr(profile, "request_path_s", 0.0) or 0.0)
         """Each request reaches the first stage this long after it arrives (the serving path outside
         the engines, measured; 0 unless the profile says): a delay, no worker busy for it."""
+        self.decode_overhead_s = float(getattr(profile, "decode_overhead_s", 0.0) or 0.0)
+        """What each served decode-loop iteration costs beyond the step (host bookkeeping, admission,
+        streaming; measured, 0 unless the profile says): the loop is busy for it, the GPU is not."""
+        self.mixed_iteration = str(getattr(profile, "mixed_iteration", "fused") or "fused")
+        """How the engine's aggregated loop runs prefill beside decode (``fused`` or ``sequential``)."""
         self.total_sms = int(
             getattr(profile, "sms", 0)
             or getattr(profile, "sm_count", 0)

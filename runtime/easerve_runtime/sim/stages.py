@@ -146,7 +146,7 @@ class DecodeWorker(Busy):
             self.stepping = False
             return
         self.stepping = True
-        dt = self.timesliced(self.model.decode_step_s(n, self.ctx_sum, self.tp))
+        dt = self.timesliced(self.model.decode_step_s(n, self.ctx_sum, self.tp) + self.model.decode_overhead_s)
         self.busy_s += dt
         self.steps += 1
         self.batch_sum += n
