@@ -35,7 +35,7 @@ class StageCorrections:
     decode: Curve | None = None  # x: sequences per step
     source: str = ""  # "<engine> on <device>", for reports
     request_path_s: float = 0.0  # the serving path's own latency per request (no GPU busy for it)
-    decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step (no GPU busy)
+    decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step
     mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
 
     def summary(self) -> dict[str, Any]:

@@ -14,7 +14,7 @@ Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
   does not fuse says so (``engine.mixed_iteration: sequential``, the torch engine's aggregated
   worker): it prefills whole prompts (the planner's ``chunked=False``), then steps decode, and
   the iteration costs ``encode + prefill + decode step``. Either way each iteration that decodes
-  pays the profile's measured ``decode_loop_overhead_ms`` (host time, 0 for a modelled profile).
+  pays the profile's measured ``decode_loop_overhead_ms`` (0 for a modelled profile).
 - The vision/audio encoder is sharded over the replica's ``tp`` GPUs (vLLM uses tensor-parallel
   layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
 

@@ -91,7 +91,8 @@ class StageModel:
         the engines, measured; 0 unless the profile says): a delay, no worker busy for it."""
         self.decode_overhead_s = float(getattr(profile, "decode_overhead_s", 0.0) or 0.0)
         """What each served decode-loop iteration costs beyond the step (host bookkeeping, admission,
-        streaming; measured, 0 unless the profile says): the loop is busy for it, the GPU is not."""
+        streaming; measured, 0 unless the profile says): charged with the step, so on a shared GPU it
+        time-slices too (the served loop waits for the GPU at each of its syncs)."""
         self.mixed_iteration = str(getattr(profile, "mixed_iteration", "fused") or "fused")
         """How the engine's aggregated loop runs prefill beside decode (``fused`` or ``sequential``)."""
         self.total_sms = int(
