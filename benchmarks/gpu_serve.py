@@ -133,8 +133,7 @@ def served_profile(system: str, workdir: Path, profile: str) -> Path | None:
     import twin_agreement
 
     main = Path(profile).resolve()
-    cpu_pre = main.with_name(main.name.replace("llava7b", "llava7b_cpu_preprocess"))
-    return twin_agreement.system_profile(system, workdir, main, cpu_pre)
+    return twin_agreement.system_profile(system, workdir, main, twin_agreement.cpu_preprocess_of(main))
 
 
 def model_dir(out: Path, size: str) -> Path:

@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
     prof = Path(args.profile).resolve()
-    PROFILES = (prof, prof.with_name(prof.name.replace("llava7b", "llava7b_cpu_preprocess")))
+    PROFILES = (prof, ta.cpu_preprocess_of(prof))
     if args.summary:
         files = [Path(f) for f in sorted(glob.glob(args.measured))]
         if not files:

@@ -181,6 +181,12 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
     return f
 
 
+def cpu_preprocess_of(profile: Path) -> Path:
+    """The CPU-preprocessing encode run that ``--measure`` writes beside an engine profile (its
+    committed name: ``..._llava7b_cpu_preprocess_<run>.json`` next to ``..._llava7b_<run>.json``)."""
+    return profile.with_name(profile.name.replace("llava7b", "llava7b_cpu_preprocess"))
+
+
 def system_profile(system: str, tmp: Path, profile: Path, cpu_pre: Path) -> Path:
     """The profile the twin times ``system`` with: the measured one, with the CPU-preprocessing
     run's encode points for a system that decodes its images on the CPU (the Dynamo-style ones:

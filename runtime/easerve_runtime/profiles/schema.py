@@ -208,8 +208,8 @@ class EngineDoc(_Doc):
     decode_loop_overhead_ms: float | None = Field(
         default=None, ge=0,
         description="What each iteration of the served decode loop costs beyond the step timed above (host "
-        "bookkeeping, admission, streaming tokens out), measured at zero load: the served loop's mean iteration "
-        "minus this profile's step at the same batch and context. The twin adds it to every decode step and "
+        "bookkeeping, admission, streaming tokens out), measured at zero load: the served TPOT p50 minus the "
+        "twin's without this term, on the same requests (benchmarks/twin_agreement.py --calibrate-path). The twin adds it to every decode step and "
         "charges it with the step (on a GPU that pods share, it time-slices too: the waits are at its syncs).")
     mixed_iteration: Literal["fused", "sequential"] | None = Field(
         default=None,
