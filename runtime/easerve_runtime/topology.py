@@ -54,6 +54,10 @@ from easerve_runtime.api import (
     Stage,
 )
 
+SHARED_GPUS_ENV = "EASERVE_SHARED_GPUS"
+"""Set by ``easerve serve`` when the deployment places more GPUs than the host has: how many GPUs
+its pods time-slice (the frontend sizes its admission queue from that, ``profiles.capacity``).
+Never set in Kubernetes, where every pod has GPUs of its own."""
 PARTITION_GPU_ENV = "EASERVE_PARTITION_GPU"
 """Pod-local GPU index (or comma list) of the partition records a worker reads; the launcher
 maps it to a host-unique index."""

@@ -242,3 +242,26 @@ def test_torch_encode_process_hosts_its_local_prefill_everywhere(profile: str) -
     sim_enc = sim.pod(Stage.ENCODE)
     assert len(sim_enc.process(Stage.LOCAL_PREFILL)) == 1
     assert all(not p.hosts for p in sim_enc.processes)
+
+
+def test_launcher_tells_the_pods_when_they_share_gpus(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``easerve serve`` on a host with fewer GPUs than the allocation places wraps the pods onto
+    them and says so (``EASERVE_SHARED_GPUS``): the frontend sizes its admission queue from it."""
+    import yaml
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.topology import SHARED_GPUS_ENV
+    from easerve_runtime.workers import launcher as L
+
+    doc = yaml.safe_load((EXAMPLES[0].parent / "llava-v1.6-34b.yaml").read_text())["spec"]
+    doc["engine"] = {"backend": "torch", "profile": "llava-v1.6-34b@h200"}
+    doc["model"]["path"] = str(tmp_path / "model")  # never loaded: no process is spawned
+    doc["gpuBudget"], doc["allocation"] = 3, {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    spec = parse_spec(doc)
+    monkeypatch.setattr(L.Launcher, "_spawn", lambda self, i: None)
+    monkeypatch.setattr(L.Launcher, "_write_processes", lambda self: None)
+    for host, shared in ((1, "1"), (2, "2"), (3, None), (8, None)):
+        monkeypatch.setenv(L.HOST_GPUS_ENV, str(host))
+        monkeypatch.delenv(SHARED_GPUS_ENV, raising=False)
+        la = L.Launcher("t", spec, 0, tmp_path / str(host))
+        la.start()
+        assert {env.get(SHARED_GPUS_ENV) for _, env in la._cmds.values()} == {shared}

@@ -103,11 +103,14 @@ one under ``easerve serve`` (the launcher sets it). Each admits its share of the
 
 
 def measured_capacity(cfg: RuntimeConfig) -> float:
-    """This frontend's share of the deployment's saturation rate on its profile (x the sim speed-up)."""
+    """This frontend's share of the deployment's saturation rate on its profile (x the sim speed-up);
+    on fewer host GPUs than the allocation places (``easerve serve`` sets ``EASERVE_SHARED_GPUS``),
+    the rate of the pods time-slicing them."""
     from easerve_runtime.profiles.capacity import saturation_rps
+    from easerve_runtime.topology import SHARED_GPUS_ENV
 
     try:
-        c = saturation_rps(cfg.spec)
+        c = saturation_rps(cfg.spec, host_gpus=int(os.environ.get(SHARED_GPUS_ENV) or 0) or None)
     except Exception as exc:  # noqa: BLE001 - an unknown profile must not stop the frontend
         log.warning("capacity estimate failed (%s); sizing the admission queue from 1 req/s", exc)
         return 1.0

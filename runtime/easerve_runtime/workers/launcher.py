@@ -46,7 +46,7 @@ from easerve_runtime.api import (
     Stage,
     dynamo_namespace,
 )
-from easerve_runtime.topology import PARTITION_GPU_ENV, Hardware
+from easerve_runtime.topology import PARTITION_GPU_ENV, SHARED_GPUS_ENV, Hardware
 from easerve_runtime.topology import plan as topology_plan
 from easerve_runtime.workers.blobs import BLOB_DIR_ENV
 
@@ -288,6 +288,8 @@ class Launcher:
                 env[PARTITION_GPU_ENV] = ",".join(map(str, p.partition_gpus))
             if p.gpus and host_gpus:
                 env["CUDA_VISIBLE_DEVICES"] = visible_devices(p.gpus, host_gpus)
+            if host_gpus and wanted > host_gpus:
+                env[SHARED_GPUS_ENV] = str(host_gpus)  # the frontend's capacity: pods time-slice these
             env.update(self.extra_env)
             cmd = [str(shm) if a == SHM_DIR_TOKEN else a for a in command(p, str(cfg_path))]
             p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
