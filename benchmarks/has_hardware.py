@@ -240,7 +240,8 @@ def deploy(args: argparse.Namespace) -> int:
             continue
         cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_goodput.py"), "--out", str(out), "--systems", system,
                "--rates", ",".join(f"{r:g}" for r in todo), "--requests", str(args.requests),
-               "--budget-s", str(int(left)), "--size", args.size, "--start-timeout", str(args.start_timeout)]
+               "--budget-s", str(int(left)), "--size", args.size, "--start-timeout", str(args.start_timeout),
+               "--profile-file", str(REPO / pl["profile"])]  # served with the profile the plan's twin used
         log(f"{system}: {' '.join(cmd[2:])}")
         with open(out / "gpu_serve.stdout.log", "a") as f:
             rc = subprocess.run(cmd, stdout=f, check=False).returncode

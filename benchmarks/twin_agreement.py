@@ -98,13 +98,14 @@ def measure(out: Path, size: str, requests: int) -> int:
     return 0
 
 
-def measure_path(out: Path, size: str) -> int:
-    """Both systems served at next to no load (``ZERO_LOAD_RATE``): what their first tokens take
-    beyond the engines is the request path (``--calibrate-path`` turns it into the profile's term)."""
+def measure_path(out: Path, size: str, profile: Path) -> int:
+    """Both systems served at next to no load (``ZERO_LOAD_RATE``) with ``profile`` (the spec's
+    latency profile, as the deploy serves them): what their first tokens take beyond the engines
+    is the request path (``--calibrate-path`` turns it into the profile's term)."""
     work = Path(tempfile.mkdtemp(prefix="twin-path-"))
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_serve.py"), "--out", str(work), "--systems",
            "easerve,dynamo-style", "--rates", str(ZERO_LOAD_RATE), "--size", size,
-           "--requests", str(ZERO_LOAD_REQUESTS if size != "tiny" else 4)]
+           "--requests", str(ZERO_LOAD_REQUESTS if size != "tiny" else 4), "--profile-file", str(profile)]
     log(" ".join(cmd[1:]))
     r = subprocess.run(cmd, capture_output=True, text=True)
     (out / "zero_load.log").write_text(r.stderr[-30000:])
@@ -332,7 +333,7 @@ def main() -> int:
             p.error("--measure and --measure-path need --out")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         rc = measure(Path(args.out), args.size, args.requests) if args.measure else 0
-        return rc or (measure_path(Path(args.out), args.size) if args.measure_path else 0)
+        return rc or (measure_path(Path(args.out), args.size, Path(args.profile)) if args.measure_path else 0)
     if args.calibrate_path:
         print(json.dumps(calibrate_path(Path(args.calibrate_path), Path(args.profile),
                                         Path(args.profile_cpu_preprocess)), indent=1))
