@@ -66,10 +66,11 @@ MEASURED = str(RESULTS / "has_hardware_h200_*.json")
 HOST_GPUS = 1  # one H200 is lent: every pod of a system runs on it
 PROFILES = (gpu_serve.ENGINE_PROFILE, gpu_serve.ENGINE_PROFILE_CPU_PRE)
 """The engine profile the twin is calibrated with, and its CPU-preprocessing encode points (for the
-Dynamo-style systems): ``twin_agreement.py --measure`` of the engine that run 11 deploys, with the
-serving path and the decode loop's overhead calibrated at zero load (``--calibrate-path``). The
-deployed systems are served with the same file (``gpu_serve.ENGINE_PROFILE``). Run 10's plan used
-``engine_profile_h200_llava7b_run10.json`` (``--profile``)."""
+Dynamo-style systems): ``twin_agreement.py --measure`` of the engine that run 12 deploys (flash
+prefill), with the serving path and the decode loop's overhead calibrated at zero load
+(``--calibrate-path``); its CPU-preprocessing encode points are run 11's (that file of run 12 did
+not come back from the device). The deployed systems are served with the same file
+(``gpu_serve.ENGINE_PROFILE``). Earlier plans name theirs (``--profile``)."""
 PODS = 3
 REQUESTS = 300  # gpu_goodput.py's points
 SLO_SCALE, KV_FRACTION = 4.0, 0.45  # gpu_serve.py's defaults, which the deploy runs with
