@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 ENGINE_PROFILE = RESULTS / "engine_profile_h200_llava7b_run12.json"
 ENGINE_PROFILE_CPU_PRE = RESULTS / "engine_profile_h200_llava7b_cpu_preprocess_run12.json"
-"""The served spec's latency profile from run 12 on (run 11: ``..._run11.json``) (``--profile-file``): this engine's own, measured
+"""The served spec's latency profile from run 12 on (``--profile-file``): this engine's own, measured
 on the H200 (``twin_agreement.py --measure``, calibrated at zero load), with the CPU-preprocessing
 encode points for the Dynamo-style systems. The frontend sizes its admission queue from the
 profile's capacity; runs 1-10 served with the shipped ``llava-v1.6-34b@h200`` (a 34B backbone's
