@@ -14,7 +14,7 @@ Systems (``--systems``), on the same GPUs and the same engine:
   the processor on the GPU, every prefill local on the encode GPU (s = 0) under the dynamic SM
   split, one decode worker. Allocation E1 P0 D1.
 - ``dynamo-style``: what Dynamo's EPD example does: pass-through encode (batch 1, dispatched at
-  once, image decode and processor on the CPU: ``EASERVE_GPU_DECODE=0``), every prefill remote
+  once, image decode and processor on the CPU: ``spec.encode.preprocessing: cpu``), every prefill remote
   (s = 1), one decode worker. Allocation E1 P1 D1.
 - ``aggregated``: the vLLM-style baseline on the same engine (``spec.mode: aggregated``): one engine
   per GPU doing encode, prefill and decode in one loop with continuous batching, iterations within

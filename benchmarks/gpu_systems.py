@@ -5,10 +5,11 @@ Names (``--systems``):
 - ``easerve``, ``easerve-own-process``, ``dynamo-style``, ``aggregated``: the fixed systems of
   ``SYSTEMS`` (``gpu_serve.py``'s docstring says what each runs).
 - ``aggregated@TOKENS``: the aggregated baseline at that token budget (its sweep).
-- ``easerve:ALLOC:bB:sS``: EAServe at one point (allocation, B, s) of HAS's space
+- ``easerve:ALLOC:bB:sS[:cpu]``: EAServe at one point (allocation, B, s) of HAS's space
   (``easerve_operator.tuning.space``), e.g. ``easerve:e1p1d1:b4:s0.5``. Everything else is the
-  ``easerve`` system's (Poisson-gap dispatch, 50 ms max age, GPU preprocessing); B, s and the SM
-  split are set by HAS's own ``space.apply_candidate`` (``System.candidate``).
+  ``easerve`` system's (Poisson-gap dispatch, 50 ms max age, GPU preprocessing, as every run up to
+  13 served it, or ``:cpu``: ``spec.encode.preprocessing: cpu``); B, s and the SM split are set by
+  HAS's own ``space.apply_candidate`` (``System.candidate``).
 - ``dynamo-style:ALLOC``: the Dynamo-style baseline on another allocation (its allocation
   sweep), e.g. ``dynamo-style:e1p2d1``; B = 1 eager, s = 1, no split, CPU preprocessing.
 
@@ -35,17 +36,17 @@ from easerve_operator.tuning.space import Alloc, Candidate
 SYSTEMS: dict[str, dict[str, Any]] = {
     "easerve": {
         "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
-        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50},
+        "encode": {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50, "preprocessing": "gpu"},
         "offload": {"ratio": 0.0},
         "smPartition": {"mode": "dynamic", "backend": "green-context"},
         "env": {},
     },
     "dynamo-style": {
         "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}},
-        "encode": {"batchBound": 1, "dispatch": "eager"},
+        "encode": {"batchBound": 1, "dispatch": "eager", "preprocessing": "cpu"},
         "offload": {"ratio": 1.0},
         "smPartition": {"mode": "none"},
-        "env": {"EASERVE_GPU_DECODE": "0"},
+        "env": {},
     },
     "aggregated": {"mode": "aggregated", "env": {}},
 }
@@ -82,6 +83,8 @@ class System:
     """``easerve:`` / ``dynamo-style:``: the allocation, as HAS's space holds it."""
     batch_bound: int | None = None
     offload: float | None = None
+    preprocessing: str | None = None
+    """``easerve:`` points: ``spec.encode.preprocessing`` when it is not the base's (``:cpu``)."""
 
     @property
     def name(self) -> str:
@@ -92,17 +95,23 @@ class System:
             return self.base
         if self.base == "dynamo-style":
             return f"{self.base}:{token(self.layout)}"
-        return f"{self.base}:{token(self.layout)}:b{self.batch_bound}:s{_s(self.offload or 0.0)}"
+        tail = f":{self.preprocessing}" if self.preprocessing else ""
+        return f"{self.base}:{token(self.layout)}:b{self.batch_bound}:s{_s(self.offload or 0.0)}{tail}"
 
     @property
     def env(self) -> dict[str, str]:
         return dict(SYSTEMS[self.base]["env"])
 
     @property
+    def preprocess(self) -> str:
+        """Where this system's encoder preprocesses (``spec.encode.preprocessing``): the name's, else its base's."""
+        return self.preprocessing or SYSTEMS[self.base].get("encode", {}).get("preprocessing", "auto")
+
+    @property
     def cpu_preprocessing(self) -> bool:
-        """Image decode and processor on the CPU (the Dynamo-style encode): the twin then times
-        encode with the CPU-preprocessing profile's points."""
-        return self.env.get("EASERVE_GPU_DECODE") == "0"
+        """Image decode and processor on the CPU (the Dynamo-style encode, or ``:cpu``): the twin
+        then times encode with the CPU-preprocessing profile's points."""
+        return self.preprocess == "cpu"
 
     @property
     def slug(self) -> str:
@@ -117,7 +126,7 @@ class System:
         out = {
             "gpuBudget": sum(v["replicas"] for v in s["allocation"].values()),
             "allocation": s["allocation"],
-            "encode": s["encode"],
+            "encode": {**s["encode"], "preprocessing": self.preprocess},
             "offload": s["offload"],
             "smPartition": s["smPartition"],
         }
@@ -142,9 +151,13 @@ def _refuse(system: str, why: str) -> ValueError:
     return ValueError(f"--systems: {system!r}: {why}")
 
 
-def point(base: str, layout: Alloc, batch_bound: int | None = None, offload: float | None = None) -> System:
-    """The system that deploys ``layout`` (and, for ``easerve``, B and s); checked as a parsed name is."""
-    return parse(System(base, None, layout, batch_bound, offload).name)
+def point(base: str, layout: Alloc, batch_bound: int | None = None, offload: float | None = None,
+          preprocessing: str | None = None) -> System:
+    """The system that deploys ``layout`` (and, for ``easerve``, B, s and, when not the base's, the
+    preprocessing); checked as a parsed name is."""
+    if preprocessing == SYSTEMS[base].get("encode", {}).get("preprocessing"):
+        preprocessing = None
+    return parse(System(base, None, layout, batch_bound, offload, preprocessing).name)
 
 
 def parse(system: str) -> System:
@@ -165,6 +178,11 @@ def parse(system: str) -> System:
         raise _refuse(system, f"{base} has no configurations to name: only {' and '.join(POINT_SYSTEMS)} take :ALLOC")
     parts = rest.split(":")
     want = 3 if base == "easerve" else 1
+    pre = None
+    if base == "easerve" and len(parts) == 4:
+        if parts[3] != "cpu":
+            raise _refuse(system, f"{parts[3]!r}: the one part after :sS is ':cpu' (CPU preprocessing; GPU is the default)")
+        pre = parts.pop()
     if len(parts) != want:
         form = "easerve:ALLOC:bB:sS (e.g. easerve:e1p1d1:b4:s0.5)" if want == 3 else "dynamo-style:ALLOC (e.g. dynamo-style:e1p2d1)"
         raise _refuse(system, f"expected {form}: {want} part(s) after {base}:, got {len(parts)}")
@@ -177,7 +195,7 @@ def parse(system: str) -> System:
     b, s = _batch(system, parts[1]), _offload(system, parts[2])
     if layout.prefill == 0 and s != 0.0:
         raise _refuse(system, f"{parts[2]!r}: with no prefill worker (p0) every prefill is local: s must be 0")
-    return System(base, layout=layout, batch_bound=b, offload=s)
+    return System(base, layout=layout, batch_bound=b, offload=s, preprocessing=pre)
 
 
 def _layout(system: str, part: str) -> Alloc:

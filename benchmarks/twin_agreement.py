@@ -6,7 +6,7 @@ Two halves:
   LLaVA-NeXT 7B that ``gpu_serve.py`` serves (the same model directory recipe and the same spec),
   on the JPEGs the bench sends (``--image-format jpeg``), once as served by EAServe (nvJPEG +
   processor on the GPU) and once, encode only, with the
-  Dynamo-style CPU preprocessing (``EASERVE_GPU_DECODE=0``). Writes ``engine_profile.json`` and
+  Dynamo-style CPU preprocessing (``spec.encode.preprocessing: cpu``). Writes ``engine_profile.json`` and
   ``engine_profile_cpu_preprocess.json`` into DIR.
 - ``--measure-path --out DIR`` (on the GPU machine): both systems served by ``gpu_serve.py`` at
   next to no load (0.5 req/s, 40 requests): ``DIR/zero_load.json``. Then, anywhere,
@@ -190,8 +190,8 @@ def cpu_preprocess_of(profile: Path) -> Path:
 
 def system_profile(system: str, tmp: Path, profile: Path, cpu_pre: Path) -> Path:
     """The profile the twin times ``system`` with: the measured one, with the CPU-preprocessing
-    run's encode points for a system that decodes its images on the CPU (the Dynamo-style ones:
-    ``EASERVE_GPU_DECODE=0``) when that run is on record."""
+    run's encode points for a system that decodes its images on the CPU (the Dynamo-style ones and
+    ``easerve:...:cpu``: ``spec.encode.preprocessing: cpu``) when that run is on record."""
     from gpu_systems import parse
 
     on_cpu = parse(system).cpu_preprocessing

@@ -572,3 +572,26 @@ class _DropSeconds:
 
         extra = {k: v for k, v in r.extra.items() if k != "second_per_grid_ts"}
         return self.inner.prefill_one(dataclasses.replace(r, extra=extra))
+
+
+
+def test_the_encoder_preprocesses_where_the_spec_says(llava: Path) -> None:
+    """``spec.encode.preprocessing`` reaches the engine ``make_torch_engine`` builds (GPU unless the
+    spec says cpu), and a value it does not know is refused naming the field."""
+    from easerve_runtime.engines.torch import make_torch_engine
+
+    def spec(pre: str | None) -> Any:
+        doc: dict[str, Any] = {
+            "model": {"name": "tiny-llava", "modality": "image", "encoder": "clip-vit-l-336", "path": str(llava)},
+            "engine": {"backend": "torch", "profile": "llava-v1.6-34b@h200"}, "gpuBudget": 2,
+            "allocation": {"encode": {"replicas": 1}, "prefill": {"replicas": 0}, "decode": {"replicas": 1}},
+            "slo": {"objective": "m", "tiers": [{"name": "m", "ttftSeconds": 8, "tpotMs": 100}]},
+        }
+        if pre is not None:
+            doc["encode"] = {"preprocessing": pre}
+        return parse_spec(doc)
+
+    assert {pre: make_torch_engine(spec(pre), "encode").gpu_decode for pre in (None, "gpu", "cpu")} == {
+        None: True, "gpu": True, "cpu": False}
+    with pytest.raises(ValueError, match="preprocessing"):
+        spec("auto")

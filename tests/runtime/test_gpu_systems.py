@@ -86,7 +86,8 @@ def test_gpu_serve_refuses_a_name_the_spec_model_refuses_in_its_words() -> None:
 def test_the_fixed_systems_render_the_specs_they_always_did() -> None:
     e, d = spec_of("easerve"), spec_of("dynamo-style")
     assert e["allocation"] == gpu_systems.SYSTEMS["easerve"]["allocation"] and e["gpuBudget"] == 2
-    assert e["encode"] == {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50}
+    assert e["encode"] == {"batchBound": 8, "dispatch": "poisson-gap", "maxAgeMs": 50, "preprocessing": "gpu"}
+    assert d["encode"] == {"batchBound": 1, "dispatch": "eager", "preprocessing": "cpu"}
     assert d["offload"] == {"ratio": 1.0} and d["smPartition"] == {"mode": "none"} and d["gpuBudget"] == 3
     agg = spec_of("aggregated@4096")
     assert agg["aggregated"] == {"tokenBudget": 4096} and agg["mode"] == "aggregated"
@@ -114,5 +115,18 @@ def test_every_point_of_has_space_renders_the_spec_has_would_deploy(budget: int)
 
 
 def test_a_dynamo_style_point_preprocesses_on_the_cpu_and_its_twin_knows() -> None:
-    assert parse("dynamo-style:e1p2d1").env == {"EASERVE_GPU_DECODE": "0"}
+    assert str(parse_spec(spec_of("dynamo-style:e1p2d1")).encode.preprocessing) == "cpu"
+    assert str(parse_spec(spec_of("easerve:e1p1d1:b4:s0.5")).encode.preprocessing) == "gpu"
     assert parse("dynamo-style:e1p2d1").cpu_preprocessing and not parse("easerve:e1p1d1:b4:s0.5").cpu_preprocessing
+
+
+def test_an_easerve_point_may_preprocess_on_the_cpu_and_says_so_in_its_one_name() -> None:
+    sys_ = parse("easerve:e1p0d1:b6:s0:cpu")
+    assert sys_.cpu_preprocessing and sys_.name == "easerve:e1p0d1:b6:s0:cpu"
+    spec = parse_spec(spec_of(sys_.name))
+    assert str(spec.encode.preprocessing) == "cpu" and spec.encode.batch_bound == 6
+    # the base's own preprocessing is not spelled: one name per configuration
+    assert point("easerve", Alloc(1, 0, 1, 1, 1), 6, 0.0, "gpu").name == "easerve:e1p0d1:b6:s0"
+    assert point("easerve", Alloc(1, 0, 1, 1, 1), 6, 0.0, "cpu").name == "easerve:e1p0d1:b6:s0:cpu"
+    with pytest.raises(ValueError, match="':cpu'"):
+        parse("easerve:e1p0d1:b6:s0:gpu")

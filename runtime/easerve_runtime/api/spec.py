@@ -59,6 +59,13 @@ class DispatchPolicy(StrEnum):
     EAGER = "eager"
 
 
+class Preprocessing(StrEnum):
+    """Where the encode worker decodes and processes media before the tower."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
 class PartitionMode(StrEnum):
     NONE = "none"
     STATIC = "static"
@@ -257,6 +264,13 @@ class EncodeSpec(Model):
         le=1024,
         description="Embedding envelopes in flight per encode worker (sent, not yet acknowledged by prefill) "
         "before the encoder waits: backpressure from a slow prefill pool.",
+    )
+    preprocessing: Preprocessing = Field(
+        default=Preprocessing.GPU,
+        description="Where images are decoded and processed before the tower: gpu (nvJPEG and the processor "
+        "on CUDA: the shortest encode) or cpu (the processor on the host's cores, as Dynamo's encode worker "
+        "does). On GPUs that the pods share, cpu frees GPU time for decode when the encode pod runs no local "
+        "prefill, and costs it when it does (docs/engine.md).",
     )
 
 

@@ -320,7 +320,7 @@ def decode_audio(part: MediaPart) -> np.ndarray[Any, Any]:
 
 def gpu_decode_jpegs(parts: Sequence[MediaPart], device: str) -> list[Any] | None:
     """nvJPEG over all JPEG parts of a micro-batch in one call; None when the GPU path cannot take them."""
-    if not str(device).startswith("cuda") or not parts or os.environ.get("EASERVE_GPU_DECODE", "1") == "0":
+    if not str(device).startswith("cuda") or not parts:
         return None
     if any(p.data[:2] != b"\xff\xd8" for p in parts):
         return None
@@ -457,6 +457,8 @@ class HFEncodeEngine(_Stage):
         self.processor = load_processor(path, trust_remote_code)
         self.batched_preprocess = batch_image_processor(self.processor)
         self.gpu_decode = True
+        """Decode and process media on the GPU (``spec.encode.preprocessing``, set by
+        ``engines.torch.encode_engine``); False: on the CPU, as Dynamo's encode worker does."""
         self.last_path = ""
         """How the last micro-batch was preprocessed: ``gpu`` (nvJPEG + processor on CUDA) or ``cpu``."""
         self.profile = False

@@ -59,14 +59,23 @@ def _engine_kw(spec: EPDDeploymentSpec) -> dict[str, Any]:
     return {"device": pick_device(), "random_weights": m.random_weights, "trust_remote_code": m.trust_remote_code}
 
 
+def encode_engine(spec: EPDDeploymentSpec, path: str, pool: Any = None, **kw: Any) -> Any:
+    """The encoder of ``spec``, preprocessing where ``spec.encode.preprocessing`` says."""
+    from easerve_runtime.engines.hf import HFEncodeEngine
+
+    enc = HFEncodeEngine(path, pool=pool, **kw)
+    enc.gpu_decode = str(spec.encode.preprocessing) == "gpu"
+    return enc
+
+
 def make_torch_engine(spec: EPDDeploymentSpec, stage: str = "encode", pool: Any = None) -> Any:
     """The torch engine of ``stage`` for ``spec`` (validation already required ``spec.model.path``)."""
-    from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
+    from easerve_runtime.engines.hf import HFDecodeEngine, HFPrefillEngine
 
     kw = _engine_kw(spec)
     path = str(spec.model.path)
     if stage == "encode":
-        return HFEncodeEngine(path, pool=pool, **kw)
+        return encode_engine(spec, path, pool, **kw)
     if stage in ("prefill", "local-prefill"):
         if pool is None and stage == "local-prefill":
             pool = green_pool(spec, kw["device"])
@@ -81,11 +90,11 @@ def make_aggregated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any, Any]:
     from what the encoder's and the language model's weights leave), then prefill running the
     decode engine's language model (one copy of the weights) and handing its caches over on the
     device."""
-    from easerve_runtime.engines.hf import HFDecodeEngine, HFEncodeEngine, HFPrefillEngine
+    from easerve_runtime.engines.hf import HFDecodeEngine, HFPrefillEngine
 
     kw = _engine_kw(spec)
     path = str(spec.model.path)
-    enc = HFEncodeEngine(path, **kw)
+    enc = encode_engine(spec, path, **kw)
     dec = HFDecodeEngine(path, memory_fraction=spec.decode.kv_memory_fraction, **kw)
     pre = HFPrefillEngine(path, share=dec, **kw)
     return enc, pre, dec
@@ -95,9 +104,9 @@ def colocated_engines(spec: EPDDeploymentSpec) -> tuple[Any, Any]:
     """The encode engine and its GPU's local prefill engine for ONE process
     (``topology.local_prefill_in_encode``), sharing one ``GreenContextPool`` on CUDA (None on the
     CPU or without a green-context split: then nothing about streams changes)."""
-    from easerve_runtime.engines.hf import HFEncodeEngine, HFPrefillEngine
+    from easerve_runtime.engines.hf import HFPrefillEngine
 
     kw = _engine_kw(spec)
     path = str(spec.model.path)
     pool = green_pool(spec, kw["device"])
-    return HFEncodeEngine(path, pool=pool, **kw), HFPrefillEngine(path, pool=pool, **kw)
+    return encode_engine(spec, path, pool, **kw), HFPrefillEngine(path, pool=pool, **kw)
