@@ -88,11 +88,17 @@ def log(msg: str) -> None:
 
 
 # ------------------------------------------------------------------ the twin's side
-def twin_doc(system: str, tmp: Path) -> dict[str, Any]:
+def twin_doc(system: str, tmp: Path, preprocessing: str | None = None) -> dict[str, Any]:
     """The spec ``gpu_serve.py`` deploys for ``system``, served by the twin on the measured profile
-    (twin_agreement's way: the CPU-preprocessing encode points for the Dynamo-style systems)."""
+    (twin_agreement's way: the CPU-preprocessing encode points for a system that preprocesses on the
+    CPU); ``preprocessing`` overrides the system's own (``spec.encode.preprocessing``)."""
     doc = gpu_serve.spec_doc(system, Path("model"), SLO_SCALE, KV_FRACTION, gpus=gpu_serve.aggregated_gpus(HOST_GPUS))
+    if preprocessing is not None:
+        doc["spec"].setdefault("encode", {})["preprocessing"] = preprocessing
+        cpu = preprocessing == "cpu"
+        return ta.twin_spec(doc["spec"], ta.merged_profile(tmp, PROFILES[0], PROFILES[1] if cpu and PROFILES[1].exists() else None))
     return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
+
 
 
 def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int = HOST_GPUS) -> dict[str, Any]:
@@ -105,7 +111,7 @@ def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int =
 
 
 def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tmp: Path,
-               progress: bool = True) -> tuple[Any, list[Any]]:
+               progress: bool = True, preprocessing: str = "gpu") -> tuple[Any, list[Any]]:
     """HAS on the calibrated twin (``search.tune``, as ``easerve tune --backend sim`` runs it, its
     trials time-slicing one host GPU); returns the result and its distinct successful trials,
     best first by the tuner's own ranking (goodput, ties by mean TTFT then TPOT)."""
@@ -116,7 +122,7 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     from easerve_operator.tuning.space import space_for
     from easerve_runtime.api import parse_spec
 
-    base = twin_doc("easerve", tmp)
+    base = twin_doc("easerve", tmp, preprocessing=preprocessing)
     base["gpuBudget"] = pods
     base.pop("allocation")  # HAS chooses it
     spec = parse_spec(base)
@@ -151,19 +157,23 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     return result, ranked
 
 
-def system_of(c: Any) -> str:
-    """The ``gpu_serve.py`` name that deploys HAS candidate ``c`` (``space.Candidate``)."""
-    return point("easerve", c.alloc, c.batch_bound, c.offload_ratio).name
+def system_of(c: Any, preprocessing: str = "gpu") -> str:
+    """The ``gpu_serve.py`` name that deploys HAS candidate ``c`` (``space.Candidate``) with
+    ``spec.encode.preprocessing`` = ``preprocessing``."""
+    return point("easerve", c.alloc, c.batch_bound, c.offload_ratio, preprocessing).name
 
 
 def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = TRIALS, seed: int = 0,
-         progress: bool = True) -> dict[str, Any]:
+         progress: bool = True, pre: str = "gpu") -> dict[str, Any]:
+    """HAS's plan at ``rate``: its pick and top 3, the baselines, each with the twin's figures; every
+    EAServe candidate preprocessing as ``pre`` says (``spec.encode.preprocessing``: HAS does not
+    search it)."""
     from easerve_operator.tuning.space import enumerate_allocations
 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress)
+        result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress, pre)
         if result.best is None:
             raise SystemExit("HAS found no configuration that served on the twin")
         pick = result.best.candidate
@@ -171,7 +181,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         top += [r for r in ranked if r.candidate.key() != pick.key()][: TOP - 1]
 
         def entry(r: Any) -> dict[str, Any]:
-            name = system_of(r.candidate)
+            name = system_of(r.candidate, pre)
             return {"system": name, **r.candidate.to_dict(), "has_trial_goodput": round(r.value, 4),
                     "twin": predict(name, rate, requests, tmp)}
 
@@ -180,12 +190,12 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         baselines = [*dynamo, *(f"aggregated@{k}" for k in AGGREGATED_TOKENS)]
         tops = [entry(r) for r in top]
         out = {
-            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS,
+            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS, "preprocessing": pre,
             "requests": requests, "seed": ta.BENCH_SEED, "slo_scale": SLO_SCALE, "objective": f"goodput@{TIER}",
             "profile": str(PROFILES[0].relative_to(REPO)), "space": result.space.to_dict(),
             "has": {"trials": len(result.real_trials), "trial_budget": trials, "stop": result.stop_reason,
                     "stage1_kept": [s.alloc.label for s in result.stage1.seeds] if result.stage1 else [],
-                    "tried": [{"system": system_of(r.candidate), "goodput": None if r.value is None else round(r.value, 4)}
+                    "tried": [{"system": system_of(r.candidate, pre), "goodput": None if r.value is None else round(r.value, 4)}
                               for r in result.real_trials]},
             "pick": tops[0]["system"], "top": tops,
             "baselines": [{"system": b, "twin": predict(b, rate, requests, tmp)} for b in baselines],
@@ -317,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=REQUESTS, help="requests per trial (--plan) / per point (--deploy)")
     ap.add_argument("--trials", type=int, default=TRIALS, help="--plan: HAS's trial budget")
     ap.add_argument("--seed", type=int, default=0, help="--plan: HAS's search seed")
+    ap.add_argument("--preprocessing", choices=["gpu", "cpu"], default="gpu",
+                    help="--plan: spec.encode.preprocessing of every EAServe candidate (run 13: cpu)")
     ap.add_argument("--save", nargs="?", const=str(PLAN), default=None, help="--plan: write the plan here")
     ap.add_argument("--plan-file", default=str(PLAN), help="--deploy/--summary: the plan")
     ap.add_argument("--group", choices=["has", "baselines", "all"], default="all", help="--deploy: which systems")
@@ -345,7 +357,8 @@ def main(argv: list[str] | None = None) -> int:
         if not args.out:
             ap.error("--deploy needs --out")
         return deploy(args)
-    doc = plan(args.rate, args.pods, args.requests, args.trials, args.seed, progress=not args.no_progress)
+    doc = plan(args.rate, args.pods, args.requests, args.trials, args.seed, progress=not args.no_progress,
+               pre=args.preprocessing)
     line = json.dumps(doc)
     if args.save:
         Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")
