@@ -269,7 +269,8 @@ def diagnose(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def report(profile: Path, cpu_pre: Path) -> dict[str, Any]:
+def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_serve_h200_*.json")) -> dict[str, Any]:
+    """The twin fed ``profile`` against every GPU run that ``runs_glob`` matches."""
     if not profile.exists():
         raise SystemExit(f"{profile} is missing: run --measure on the GPU machine first")
     prof = json.loads(profile.read_text())
@@ -279,15 +280,45 @@ def report(profile: Path, cpu_pre: Path) -> dict[str, Any]:
     assert p.corrections is not None
     runs = []
     with tempfile.TemporaryDirectory() as t:
-        for f in sorted(glob.glob(str(RESULTS / "gpu_serve_h200_*.json"))):
+        for f in sorted(glob.glob(runs_glob)):
             run = json.loads(Path(f).read_text())
             if run.get("measured") != "gpu":
                 continue
-            runs.append({"file": str(Path(f).relative_to(REPO)), "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
+            runs.append({"file": str(Path(f).resolve().relative_to(REPO)), "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
                          "requests_per_point": run.get("requests_per_point"), "systems": predict(run, Path(t), profile, cpu_pre)})
     return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
             "profile_source": prof["engine"]["device"], "ratios_measured_over_model": p.corrections.summary(),
             "bar": BAR, "runs": runs}
+
+
+def plot_points(rep: dict[str, Any], path: Path) -> None:
+    """Runs of one rate each (item 5's deploys): the twin against the GPU, point by point, for
+    throughput, P99 TTFT, TPOT p50 and moderate-tier goodput (on the diagonal: agreement)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("throughput", "ttft_p99", "tpot_p50", "goodput_moderate")
+    fig, axes = plt.subplots(1, len(keys), figsize=(16, 4))
+    for r in rep["runs"]:
+        for system, s in r["systems"].items():
+            for p in s["points"]:
+                for ax, key in zip(axes, keys, strict=True):
+                    m, t = p["measured"].get(key), p["twin"].get(key)
+                    if m is not None and t is not None:
+                        ax.scatter(m, t, s=18)
+                        ax.annotate(f"{system}@{p['rate']:g}", (m, t), fontsize=5, alpha=0.7)
+    for ax, key in zip(axes, keys, strict=True):
+        lo, hi = ax.get_xlim()
+        lo, hi = min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1])
+        ax.plot([lo, hi], [lo, hi], ls=":", color="grey")
+        ax.set(xlabel=f"{key} (GPU)", ylabel=f"{key} (twin)", title=key)
+        ax.grid(alpha=0.3)
+    fig.suptitle("the twin fed the engine's profile against the H200, point by point")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
 
 
 def plot(rep: dict[str, Any], path: Path) -> None:
@@ -296,6 +327,9 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    counts = [len(s["points"]) for r in rep["runs"] for s in r["systems"].values()]
+    if sum(c <= 1 for c in counts) * 2 > len(counts):  # mostly one rate a system: no curves to draw
+        return plot_points(rep, path)
     run = max((r for r in rep["runs"] if not r["mps"]), key=lambda r: (r["requests_per_point"] or 0, r["file"]))
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for system, s in run["systems"].items():
@@ -326,6 +360,8 @@ def main() -> int:
     p.add_argument("--requests", type=int, default=16, help="--measure: prompts to prefill")
     p.add_argument("--profile", default=str(PROFILE), help="the engine profile (easerve's preprocessing)")
     p.add_argument("--profile-cpu-preprocess", default=str(PROFILE_CPU_PRE), help="encode points, CPU preprocessing")
+    p.add_argument("--runs", default=str(RESULTS / "gpu_serve_h200_*.json"),
+                   help="the GPU runs to predict (a glob of gpu_serve result files)")
     p.add_argument("--plot", default=str(REPO / "docs" / "img" / "twin_agreement.png"))
     args = p.parse_args()
     if args.measure or args.measure_path:
@@ -338,7 +374,7 @@ def main() -> int:
         print(json.dumps(calibrate_path(Path(args.calibrate_path), Path(args.profile),
                                         Path(args.profile_cpu_preprocess)), indent=1))
         return 0
-    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess))
+    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
     print(json.dumps(rep, indent=1))
     plot(rep, Path(args.plot))
     return 0
