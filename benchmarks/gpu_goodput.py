@@ -3,7 +3,8 @@ per SLO tier, over a ladder of rates, from runs of ``gpu_serve.py`` (issue 17, i
 
 A GPU sweep is several device calls (a call is at most 10 minutes; four systems at three rates of
 300 requests do not fit one), each a ``gpu_serve.py`` run on the same machine and the same code,
-saved as ``benchmarks/results/gpu_serve_h200_<run><part>_300req.json`` (``run9``, ``run9b``, ...).
+saved as ``benchmarks/results/gpu_serve_h200_<run><part>_300req.json`` (``run9``, ``run9b``, ...);
+from run 10 on, ``has_hardware.py --deploy`` makes the same runs, ``has_hardware_h200_<run><part>.json``.
 This script merges the parts of one run into one table: per system, goodput per tier at each rate
 and the best-over-rates goodput at the moderate tier; EAServe's ratios to each baseline (best
 over rates, and rate by rate, where EAServe is the better of its measured layouts and each
@@ -40,18 +41,21 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 EASERVE = ("easerve", "easerve-own-process")
 BASELINES = ("dynamo-style", "aggregated")
-_RUN = re.compile(r"gpu_serve_h200_(run\d+)([a-z]?)_300req\.json$")
+_RUN = re.compile(r"(?:gpu_serve_h200_(run\d+)([a-z]?)_300req|has_hardware_h200_(run\d+)([a-z]?))\.json$")
+"""A run's parts: ``gpu_serve.py``'s own sweeps, and the deploys of ``has_hardware.py`` (the same
+``gpu_serve.py`` runs at 300 requests a point, from run 10 on)."""
+PATTERNS = ("gpu_serve_h200_run*_300req.json", "has_hardware_h200_run*.json")
 
 
 def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]]:
     """The parts of ``run`` (default: the newest run with 300-request points)."""
     found: dict[str, list[Path]] = {}
-    for f in sorted(glob.glob(str(results / "gpu_serve_h200_run*_300req.json"))):
+    for f in sorted(f for pat in PATTERNS for f in glob.glob(str(results / pat))):
         m = _RUN.search(f)
         if m:
-            found.setdefault(m.group(1), []).append(Path(f))
+            found.setdefault(m.group(1) or m.group(3), []).append(Path(f))
     if not found:
-        raise SystemExit(f"no gpu_serve_h200_run*_300req.json under {results}")
+        raise SystemExit(f"no {' or '.join(PATTERNS)} under {results}")
     name = run or max(found, key=lambda r: int(r[3:]))
     if name not in found:
         raise SystemExit(f"--run {name}: runs on record are {', '.join(sorted(found))}")

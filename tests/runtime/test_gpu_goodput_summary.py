@@ -42,6 +42,16 @@ def test_the_summary_merges_every_part_of_a_run_and_its_ratios_follow_the_points
             assert ratio == round(best_ours / raw[base][float(rate)], 2)
 
 
+def test_has_hardwares_deploys_count_as_parts_of_their_run() -> None:
+    """From run 10 on the 300-request points come from ``has_hardware.py --deploy`` (the same
+    ``gpu_serve.py`` runs): they merge as a run's parts like ``gpu_serve_h200_*_300req`` files."""
+    s = summary("--run", "run13")
+    assert s["files"] and all(Path(f).name.startswith("has_hardware_h200_run13") for f in s["files"])
+    names = {n for f in s["files"] for n in json.loads((REPO / f).read_text())["systems"]}
+    assert set(s["systems"]) == names
+    assert s["ratios"]["easerve_layout"].startswith("easerve:")
+
+
 def test_an_unknown_run_is_refused_naming_the_runs_on_record() -> None:
     with pytest.raises(subprocess.CalledProcessError) as err:
         summary("--run", "run999")
