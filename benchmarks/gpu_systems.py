@@ -104,8 +104,9 @@ class System:
 
     @property
     def preprocess(self) -> str:
-        """Where this system's encoder preprocesses (``spec.encode.preprocessing``): the name's, else its base's."""
-        return self.preprocessing or SYSTEMS[self.base].get("encode", {}).get("preprocessing", "auto")
+        """Where this system's encoder preprocesses (``spec.encode.preprocessing``): the name's, else
+        its base's, else the spec's default (the aggregated worker's encoder: the GPU)."""
+        return self.preprocessing or SYSTEMS[self.base].get("encode", {}).get("preprocessing", "gpu")
 
     @property
     def cpu_preprocessing(self) -> bool:

@@ -100,7 +100,6 @@ def twin_doc(system: str, tmp: Path, preprocessing: str | None = None) -> dict[s
     return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
 
 
-
 def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int = HOST_GPUS) -> dict[str, Any]:
     """The twin's figures for ``system`` deployed at ``rate`` (twin_agreement's way: same requests)."""
     from easerve_runtime.api import parse_spec
