@@ -24,6 +24,23 @@ def test_converged_when_top_three_within_one_percent():
     assert stop_reason([3.0, 3.0], R) is None
 
 
+def test_seeds_alone_never_converge():
+    """Stage 1's seeds tie easily (all carry the load): ``converged`` waits for three trials of
+    the proposer's own, while ``stalled`` and ``budget`` count every trial as before."""
+    tied = [2.27, 2.273, 2.273]
+    assert stop_reason(tied, R) == "converged"  # no seeds declared: the paper's rule as it stands
+    assert stop_reason(tied, R, [True, True, True]) is None
+    two_own = [*tied, 2.274, 2.272]
+    assert stop_reason(two_own, R, [True] * 3 + [False] * 2) is None  # within 1 %, but two of its own
+    assert stop_reason([*two_own, 2.271], R, [True] * 3 + [False] * 3) == "converged"
+    assert stop_reason([*two_own, 2.6], R, [True] * 3 + [False] * 3) is None  # the third found better
+    assert stop_reason(tied, StopRules(budget=3), [True] * 3) == "budget"
+    with pytest.raises(ValueError, match="seeded"):
+        stop_reason(tied, R, [True])
+    with pytest.raises(ValueError, match="min_refined"):
+        StopRules(min_refined=-1)
+
+
 def test_stalled_after_five_trials_without_improvement():
     vals = [1.0, 2.0, 1.5, 1.2, 1.9, 1.1]  # 4 without improvement after the 2.0
     assert stop_reason(vals, R) is None

@@ -7,7 +7,14 @@ selection rule: only the proposer differs.
 
 Stop rules (paper §3.1, issue 5), checked before each new trial, first one wins:
 
-- ``converged``: the spread among the top three results, (v1 − v3) / v1, is under 1%;
+- ``converged``: the spread among the top three results, (v1 − v3) / v1, is under 1%, once the
+  proposer has run at least three trials of its own beyond the seeds it was given (HAS's Stage-1
+  seeds, one per surviving allocation). Seeds alone tie easily: Stage 1 ranks allocations by
+  capacity, so at a load every seed carries they all score about the offered rate. On the twin at
+  Λ = 3 (LLaVA example, 100-request trials) the first three of six seeds scored within 0.2 % and
+  the search stopped there, before it had tried half the survivors; the fifth seed (a TP-4 decode,
+  which drains sooner) scores 10 % more. The cluster, whose trials differ by more than 1 %, went
+  on and found it, so the two backends picked differently (issue 13);
 - ``stalled``: 5 consecutive trials brought no improvement of the best value;
 - ``budget``: the trial budget (default 30) is spent.
 
@@ -31,6 +38,7 @@ from easerve_operator.tuning.space import Candidate
 DEFAULT_BUDGET = 30
 DEFAULT_PATIENCE = 5
 DEFAULT_SPREAD = 0.01
+DEFAULT_MIN_REFINED = 3
 MAX_CACHED_IN_A_ROW = 50
 
 
@@ -60,6 +68,8 @@ class StopRules:
     patience: int = DEFAULT_PATIENCE
     spread: float = DEFAULT_SPREAD
     max_cached_in_a_row: int = MAX_CACHED_IN_A_ROW
+    min_refined: int = DEFAULT_MIN_REFINED
+    """Real trials beyond the seeds that ``converged`` needs (the top-three statistic's size)."""
 
     def __post_init__(self) -> None:
         if self.budget < 1:
@@ -68,18 +78,26 @@ class StopRules:
             raise ValueError(f"patience must be >= 1, got {self.patience}")
         if not 0 <= self.spread < 1:
             raise ValueError(f"spread must be in [0, 1), got {self.spread}")
+        if self.min_refined < 0:
+            raise ValueError(f"min_refined must be >= 0, got {self.min_refined}")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"budget": self.budget, "patience": self.patience, "spread": self.spread}
+        return {"budget": self.budget, "patience": self.patience, "spread": self.spread, "minRefined": self.min_refined}
 
 
-def stop_reason(values: Sequence[float | None], rules: StopRules) -> str | None:
+def stop_reason(
+    values: Sequence[float | None], rules: StopRules, seeded: Sequence[bool] | None = None
+) -> str | None:
     """Which rule stops a search whose real (non-cached) trials scored ``values``, in order.
 
     ``None`` entries are failed trials: they spend budget and count as "no improvement".
+    ``seeded`` flags the trials that were seeds handed to the proposer (none when omitted).
     """
+    if seeded is not None and len(seeded) != len(values):
+        raise ValueError(f"seeded: {len(seeded)} flags for {len(values)} values")
+    refined = len(values) - (sum(seeded) if seeded is not None else 0)
     ok = sorted((v for v in values if v is not None), reverse=True)
-    if len(ok) >= 3 and ok[0] > 0 and (ok[0] - ok[2]) / ok[0] < rules.spread:
+    if refined >= rules.min_refined and len(ok) >= 3 and ok[0] > 0 and (ok[0] - ok[2]) / ok[0] < rules.spread:
         return "converged"
     best: float | None = None
     since = 0
@@ -149,7 +167,8 @@ def run_search(
     cached_run = 0
     stop: str | None = None
     while True:
-        stop = stop_reason([r.value if r.ok else None for r in records if not r.cached], rules)
+        real = [r for r in records if not r.cached]
+        stop = stop_reason([r.value if r.ok else None for r in real], rules, [r.seeded for r in real])
         if stop is not None:
             break
         if cached_run >= rules.max_cached_in_a_row:
