@@ -177,6 +177,7 @@ class KVHandoff:
         self.outstanding = {d.name: 0 for d in decoders}
         self.by_name = {d.name: d for d in decoders}
         self.on_finish: Callable[[Job], None] | None = None
+        self.on_first_token: Callable[[Job], None] | None = None  # the twin's front door (``sim.frontdoor``)
         for d in decoders:
             d.on_finish = self._finished
 
@@ -187,6 +188,8 @@ class KVHandoff:
     def first_token(self, job: Job) -> None:
         now = self.loop.now
         job.rec.first_token_s = now
+        if self.on_first_token is not None:
+            self.on_first_token(job)
         if job.req.output_tokens <= 1:
             job.rec.finish_s = now
             self._finished(job)

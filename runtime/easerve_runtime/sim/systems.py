@@ -119,12 +119,15 @@ def simulate_system(
     model: StageModel | None = None,
     layout: tuple[int, ...] | None = None,
     host_gpus: int | None = None,
+    frontends: int = 0,
 ) -> SimResult:
     """Run ONE configuration of ``system`` (no sweep).
 
     ``layout`` = (tp, replicas[, token_budget]) for aggregated. ``host_gpus``: the disaggregated
     pipeline runs on one host with that many GPUs, its processes time-slicing the GPUs they share
-    (``sim.timeslice``); an aggregated replica has its GPUs to itself either way."""
+    (``sim.timeslice``); an aggregated replica has its GPUs to itself either way. ``frontends``: the
+    disaggregated pipeline's requests pass that many frontends' admission control (``sim.frontdoor``);
+    0 admits every request."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
@@ -149,7 +152,8 @@ def simulate_system(
             def factory() -> Any:
                 return EagerBatcher(1, half_life_s=half_life)
 
-        jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus)
+        jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus,
+                                   frontends=frontends)
         config = _config(v, system)
     records = [j.rec for j in jobs]
     for j in jobs:

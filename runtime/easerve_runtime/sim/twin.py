@@ -19,6 +19,7 @@ from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.post_encode import PostEncodeRouter
 from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
+from easerve_runtime.sim.frontdoor import FrontDoor
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandoff, PrefillWorker
@@ -56,6 +57,7 @@ def run_pipeline(
     batcher_factory: Any = None,
     control: Control | None = None,
     host_gpus: int | None = None,
+    frontends: int = 0,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -63,6 +65,8 @@ def run_pipeline(
     batcher); by default every encode worker gets ``make_batcher(spec.encode)``. ``host_gpus``:
     the deployment runs on one host with this many GPUs, placed as ``easerve serve`` places it,
     so processes on the same GPU time-slice it (``sim.timeslice``); None: GPUs of their own.
+    ``frontends``: that many frontends admit the requests as the live ones do (``sim.frontdoor``:
+    refused requests fail with the 429 reason); 0 (the default): every request is admitted.
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -145,8 +149,19 @@ def run_pipeline(
             outstanding[e.name] = e.outstanding
         by_name[picker.pick(names, outstanding)].on_arrival(job)
 
-    for job in jobs:
-        loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
+    door = FrontDoor(spec, frontends, host_gpus) if frontends > 0 else None
+    if door is None:
+        for job in jobs:
+            loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
+    else:
+        handoff.on_first_token = door.first_token
+
+        def knock(job: Job) -> None:
+            if door.admit(job, loop.now):
+                loop.at(loop.now + model.request_path_s, arrive, job)
+
+        for job in jobs:
+            loop.at(job.req.arrival_s, knock, job)
     changes: list[dict[str, Any]] = []
     if control is not None and jobs:
         if not control.interval_s > 0:
@@ -205,6 +220,9 @@ def run_pipeline(
     }
     if control is not None:
         stats["knob_changes"] = changes
+    if door is not None:
+        stats["admission"] = {"frontends": frontends, "bound": door.bound,
+                              "capacity_rps": door.capacity_rps, "refused": door.refused}
     if ts is not None:
         stats["time_slicing"] = {"host_gpus": host_gpus, "pods": {k: sorted(v) for k, v in devices.items()},
                                  "dispatches": ts.dispatches, "charged": ts.charged}

@@ -1,0 +1,69 @@
+"""The twin's front door: the live frontends' admission control, replayed in virtual time.
+
+The cluster trials refuse requests at the door when the offered rate exceeds the admission bound's
+capacity estimate (issue 13, must-hold 3); the twin predicts that only when it admits as they do.
+"""
+
+from __future__ import annotations
+
+from easerve_runtime.policies.admission import queue_bound
+from easerve_runtime.profiles.capacity import saturation_rps
+from easerve_runtime.sim.frontdoor import FrontDoor
+from easerve_runtime.sim.runner import cached_model
+from easerve_runtime.sim.stages import Job
+from easerve_runtime.sim.systems import simulate_system
+from easerve_runtime.workload.generate import generate
+
+
+def _limits(spec, **kw):
+    return spec.model_copy(update={"limits": spec.limits.model_copy(update=kw)})
+
+
+def test_the_door_bounds_each_frontend_and_deals_round_robin(llava_spec):
+    door = FrontDoor(llava_spec, frontends=2)
+    cap = saturation_rps(llava_spec) / 2
+    bound = queue_bound(cap, llava_spec.limits.queue_seconds)
+    assert door.bound == bound and door.capacity_rps == cap
+    jobs = [Job(r) for r in generate(llava_spec, 1.0, 2 * bound + 2, seed=3)]
+    admitted = [door.admit(j, 0.0) for j in jobs]
+    # round-robin: each frontend takes `bound`, then both refuse (the last two, one each)
+    assert admitted == [True] * (2 * bound) + [False, False]
+    assert door.refused == 2
+    assert all(j.rec.error and j.rec.error.startswith("429") for j in jobs[-2:])
+    # a first token frees its frontend's place: the next request dealt there is admitted
+    first = jobs[0]
+    first.rec.first_token_s = first.rec.arrival_s + 0.5
+    door.first_token(first)
+    extra = [Job(r) for r in generate(llava_spec, 1.0, 2, seed=4)]
+    assert [door.admit(j, 1.0) for j in extra] == [True, False]
+
+
+def test_the_twin_refuses_what_the_bound_cannot_take_and_nothing_else(llava_spec):
+    model = cached_model(llava_spec)
+    cap = saturation_rps(llava_spec)
+    over = generate(llava_spec, 1.5 * cap, 200, seed=7)
+    open_door = simulate_system(llava_spec, over, "easerve", model)
+    door = simulate_system(llava_spec, over, "easerve", model, frontends=2)
+    refused = door.stats["admission"]["refused"]
+    assert open_door.summary["failed"] == 0 and "admission" not in open_door.stats
+    assert refused > 0 and door.summary["failed"] == refused
+    assert sum(1 for r in door.records if r.error and r.error.startswith("429")) == refused
+    # the requests refused at the door were the ones that would have waited longest
+    assert door.summary["ttft_p99"] < open_door.summary["ttft_p99"]
+    # a fixed bound no burst reaches (spec.limits.maxQueuedRequests) admits all: the open door's run exactly
+    wide = _limits(llava_spec, max_queued_requests=10_000)
+    same = simulate_system(wide, over, "easerve", model, frontends=2)
+    assert same.stats["admission"]["refused"] == 0
+    assert [(r.first_token_s, r.finish_s) for r in same.records] == [
+        (r.first_token_s, r.finish_s) for r in open_door.records
+    ]
+
+
+def test_below_capacity_the_door_changes_nothing(llava_spec):
+    model = cached_model(llava_spec)
+    light = generate(llava_spec, 0.3 * saturation_rps(llava_spec), 150, seed=9)
+    a = simulate_system(llava_spec, light, "easerve", model)
+    b = simulate_system(llava_spec, light, "easerve", model, frontends=2)
+    assert b.stats["admission"]["refused"] == 0
+    assert a.summary["completed"] == b.summary["completed"] == 150
+    assert [r.first_token_s for r in a.records] == [r.first_token_s for r in b.records]
