@@ -34,12 +34,13 @@ P99_TOLERANCE = 0.10
 def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> dict[str, float]:
     """The twin's figures for ``spec`` on the search's seeded workload."""
     from easerve_runtime.metrics import observed_quantile
+    from easerve_runtime.policies.admission import frontends_for
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
     from easerve_runtime.workload.generate import generate
 
     result = simulate_system(spec, generate(spec, rate, requests, seed), "easerve", cached_model(spec),
-                             frontends=spec.allocation.encode.replicas)
+                             frontends=frontends_for(spec))
     s = result.summary
     ttfts = [r.ttft_s for r in result.records if r.ok]
     return {

@@ -29,6 +29,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from easerve_runtime.api import EPDDeploymentSpec, LimitsSpec
+
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
 NOT_READY_RETRY_AFTER_S = 5
@@ -138,3 +140,18 @@ class AdmissionQueue:
         excess = self.waiting - self.bound + 1
         secs = math.ceil(max(excess, 1) / max(self.drain_rate, 1e-3))
         return min(MAX_RETRY_AFTER_S, max(MIN_RETRY_AFTER_S, secs))
+
+
+def admission_queue(limits: LimitsSpec, capacity_rps: float) -> AdmissionQueue:
+    """A frontend's queue for ``spec.limits`` at ``capacity_rps``: the one construction the live
+    frontend (``workers.frontend``) and the twin's front door (``sim.frontdoor``) both use."""
+    bound = queue_bound(capacity_rps, limits.queue_seconds, limits.max_queued_requests)
+    return AdmissionQueue(bound, capacity_rps, limits.queue_seconds, adaptive=limits.max_queued_requests is None)
+
+
+def frontends_for(spec: EPDDeploymentSpec) -> int:
+    """How many frontends share the deployment's capacity on Kubernetes: one per encode pod (one per
+    engine in aggregated mode). ``easerve serve`` runs one and says so (``EASERVE_FRONTENDS``)."""
+    if str(spec.mode) == "aggregated":
+        return max(1, spec.aggregated_engine.replicas(spec.gpu_budget))
+    return max(1, spec.allocation.encode.replicas)

@@ -11,7 +11,8 @@ of it, on exactly those trials.
 The bound is computed as the live frontend computes it (``workers.frontend.measured_capacity``):
 the spec's saturation rate (``profiles.capacity.saturation_rps``, the same profile file the pods
 read, not the twin's possibly recalibrated model), on ``host_gpus`` shared GPUs when given, split
-over ``frontends`` frontends (one per encode pod on Kubernetes; one under ``easerve serve``).
+over ``frontends`` frontends (``policies.admission.frontends_for`` on Kubernetes; one under
+``easerve serve``). The queue itself is built by ``policies.admission.admission_queue``, as live.
 Requests are dealt to the frontends round-robin, as the kubelet harness's kube-proxy deals
 connections (a real kube-proxy in iptables mode picks at random). A refused request records the
 frontend's 429 reason as its error: it counts as failed, never completed.
@@ -20,7 +21,7 @@ frontend's 429 reason as its error: it counts as failed, never completed.
 from __future__ import annotations
 
 from easerve_runtime.api import EPDDeploymentSpec
-from easerve_runtime.policies.admission import AdmissionQueue, queue_bound
+from easerve_runtime.policies.admission import AdmissionQueue, admission_queue
 from easerve_runtime.sim.stages import Job
 
 
@@ -32,13 +33,8 @@ class FrontDoor:
 
         if frontends < 1:
             raise ValueError(f"frontends: must be >= 1, got {frontends}")
-        limits = spec.limits
         cap = saturation_rps(spec, host_gpus=host_gpus) / frontends
-        bound = queue_bound(cap, limits.queue_seconds, limits.max_queued_requests)
-        adaptive = limits.max_queued_requests is None
-        self.queues = [
-            AdmissionQueue(bound, cap, limits.queue_seconds, adaptive=adaptive) for _ in range(frontends)
-        ]
+        self.queues = [admission_queue(spec.limits, cap) for _ in range(frontends)]
         self.capacity_rps = cap
         self._of: dict[int, AdmissionQueue] = {}
         self._next = 0

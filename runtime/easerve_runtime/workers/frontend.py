@@ -37,7 +37,7 @@ from aiohttp import web
 
 from easerve_runtime.api import RuntimeConfig
 from easerve_runtime.metrics import Metrics
-from easerve_runtime.policies.admission import Admission, AdmissionQueue, queue_bound
+from easerve_runtime.policies.admission import Admission, admission_queue, frontends_for
 from easerve_runtime.workers.openai import (
     ChatRequest,
     RequestError,
@@ -116,9 +116,7 @@ def measured_capacity(cfg: RuntimeConfig) -> float:
         return 1.0
     if str(cfg.spec.engine.backend) == "sim":
         c *= float(os.environ.get("EASERVE_SIM_SPEEDUP", "1") or 1)
-    spec = cfg.spec
-    pods = spec.aggregated_engine.replicas(spec.gpu_budget) if str(spec.mode) == "aggregated" else spec.allocation.encode.replicas
-    frontends = int(os.environ.get(FRONTENDS_ENV) or max(1, pods))
+    frontends = int(os.environ.get(FRONTENDS_ENV) or frontends_for(cfg.spec))
     return c / max(1, frontends)
 
 
@@ -146,10 +144,8 @@ class Frontend:
         self.inflight = 0
         self.draining = False
         cap = measured_capacity(cfg) if capacity_rps is None else capacity_rps
-        bound = queue_bound(cap, self.limits.queue_seconds, self.limits.max_queued_requests)
-        self.admission = AdmissionQueue(
-            bound, cap, self.limits.queue_seconds, adaptive=self.limits.max_queued_requests is None
-        )
+        self.admission = admission_queue(self.limits, cap)
+        bound = self.admission.bound
         self.api_keys = load_api_keys() if api_keys is None else api_keys
         if self.spec.auth.api_key_secret and not self.api_keys:
             raise ValueError(
