@@ -59,6 +59,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from easerve_runtime.workers.launcher import MPS_SHARES_ENV, mps_shares  # noqa: E402
 from gpu_systems import SYSTEMS, parse  # noqa: E402  (SYSTEMS: the fixed systems, re-exported)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -285,8 +286,11 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     mps = MPS(out) if args.mps else None
+    env = dict(mps.env) if mps else {}
+    if args.mps_share:
+        env[MPS_SHARES_ENV] = args.mps_share
     try:
-        return _run(args, out, mps.env if mps else {})
+        return _run(args, out, env)
     finally:
         if mps is not None:
             mps.stop()
@@ -298,6 +302,8 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
     result.update({"bench": "gpu_serve", "measured": "gpu" if args.size != "tiny" else "cpu-smoke",
                    "model": f"llava-next-{args.size} (random weights)", "slo_scale": args.slo_scale,
                    "requests_per_point": args.requests, "mps": args.mps, **gpu_info()})
+    if args.mps_share:
+        result["mps_shares"] = mps_shares(args.mps_share)
     result.setdefault("systems", {})
     d = model_dir(out, args.size)
     deadline = time.monotonic() + args.budget_s
@@ -450,6 +456,9 @@ def main() -> int:
                         "llava-v1.6-34b@h200 that runs 1-10 used")
     p.add_argument("--budget-s", type=float, default=560, help="stop starting new points after this")
     p.add_argument("--mps", action="store_true", help="run the systems under an MPS daemon (one shared GPU)")
+    p.add_argument("--mps-share", default="",
+                   help="with --mps: stage=percent,... of the SMs each stage's processes may use "
+                        "(EASERVE_MPS_SHARES, e.g. encode=50,prefill=50: decode keeps the rest free)")
     p.add_argument("--summary", action="store_true", help="print the summary of benchmarks/results/gpu_serve_*.json")
     args = p.parse_args()
     if args.summary:
@@ -462,6 +471,13 @@ def main() -> int:
         return 0
     if not args.out:
         p.error("--out is required (or --summary)")
+    if args.mps_share:
+        if not args.mps:
+            p.error("--mps-share needs --mps (without an MPS daemon the processes time-slice the GPU)")
+        try:
+            mps_shares(args.mps_share)
+        except ValueError as exc:
+            p.error(str(exc))
     for system in args.systems.split(","):
         try:
             refuse_unservable(spec_doc(system, Path(args.out) / "model", args.slo_scale, args.kv_fraction, args.token_budget,

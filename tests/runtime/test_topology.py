@@ -265,3 +265,32 @@ def test_launcher_tells_the_pods_when_they_share_gpus(tmp_path: Path, monkeypatc
         la = L.Launcher("t", spec, 0, tmp_path / str(host))
         la.start()
         assert {env.get(SHARED_GPUS_ENV) for _, env in la._cmds.values()} == {shared}
+
+
+def test_launcher_caps_each_stage_under_mps(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``EASERVE_MPS_SHARES`` gives each named stage's processes its SM share under MPS
+    (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``) and leaves the others uncapped; a malformed value is
+    refused with a message that names the variable and the part."""
+    import yaml
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.workers import launcher as L
+
+    doc = yaml.safe_load((EXAMPLES[0].parent / "llava-v1.6-34b.yaml").read_text())["spec"]
+    doc["engine"] = {"backend": "torch", "profile": "llava-v1.6-34b@h200"}
+    doc["model"]["path"] = str(tmp_path / "model")
+    doc["gpuBudget"], doc["allocation"] = 3, {"encode": {"replicas": 1}, "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    spec = parse_spec(doc)
+    monkeypatch.setattr(L.Launcher, "_spawn", lambda self, i: None)
+    monkeypatch.setattr(L.Launcher, "_write_processes", lambda self: None)
+    monkeypatch.setenv(L.HOST_GPUS_ENV, "1")
+    la = L.Launcher("t", spec, 0, tmp_path / "w", {L.MPS_SHARES_ENV: "encode=50, prefill=60"})
+    la.start()
+    caps = {la.procs[i].stage: env.get("CUDA_MPS_ACTIVE_THREAD_PERCENTAGE") for i, (_, env) in la._cmds.items()}
+    assert caps["encode"] == "50" and caps["prefill"] == "60"
+    assert caps["decode"] is None and caps["frontend"] is None
+    for bad, names in (("encoder=50", "'encoder=50'"), ("decode=0", "[1, 100]"), ("decode", "'decode'"),
+                       ("decode=x", "[1, 100]")):
+        with pytest.raises(ValueError, match=r"EASERVE_MPS_SHARES") as exc:
+            L.mps_shares(bad)
+        assert names in str(exc.value)
+    assert L.mps_shares("") == {}

@@ -221,6 +221,33 @@ def visible_devices(gpus: list[int], host_gpus: int) -> str:
     return ",".join(dict.fromkeys(str(g % host_gpus) for g in gpus))
 
 
+MPS_SHARES_ENV = "EASERVE_MPS_SHARES"
+"""``stage=percent,...``: under an MPS daemon, the share of the GPU's SMs each stage's processes may
+occupy (``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``). Why: pods that share one GPU time-slice it without
+MPS, and under MPS a compute-bound prefill still fills every SM and stalls the memory-bound decode
+steps behind it; capping the encode and prefill processes keeps SMs free for decode. Host placement
+only (``easerve serve``): in Kubernetes a pod has GPUs of its own, or the device plugin's MPS
+sharing sets its limits."""
+
+
+def mps_shares(text: str | None) -> dict[str, int]:
+    """``EASERVE_MPS_SHARES`` parsed: stage name -> percent of SMs; a clear error names what is wrong."""
+    out: dict[str, int] = {}
+    stages = {str(s) for s in Stage}
+    for part in filter(None, (x.strip() for x in (text or "").split(","))):
+        stage, sep, pct = part.partition("=")
+        if not sep or stage not in stages:
+            raise ValueError(f"{MPS_SHARES_ENV}: {part!r} is not stage=percent with a stage in {sorted(stages)}")
+        try:
+            value = int(pct)
+        except ValueError:
+            value = 0
+        if not 1 <= value <= 100:
+            raise ValueError(f"{MPS_SHARES_ENV}: {part!r}: the percent must be an integer in [1, 100]")
+        out[stage] = value
+    return out
+
+
 SHM_DIR_TOKEN = "{shm}"
 RUN_PARTITION_CONTROLLER = (
     "import argparse, sys; from easerve_runtime.cli import partition_controller as m; "
@@ -262,6 +289,7 @@ class Launcher:
         self.blob_dir = blob_dir(self.workdir)
         self._cmds: dict[int, tuple[list[str], dict[str, str]]] = {}
         host_gpus = count_host_gpus() if str(self.spec.engine.backend) == "torch" else 0
+        shares = mps_shares(self.extra_env.get(MPS_SHARES_ENV, os.environ.get(MPS_SHARES_ENV)))
         wanted = len({g for p in self.procs for g in p.gpus})
         if host_gpus and wanted > host_gpus:
             log.warning("the deployment places %d GPUs on a host with %d: pods share GPUs (index modulo %d)",
@@ -291,6 +319,8 @@ class Launcher:
             if host_gpus and wanted > host_gpus:
                 env[SHARED_GPUS_ENV] = str(host_gpus)  # the frontend's capacity: pods time-slice these
             env.update(self.extra_env)
+            if p.stage in shares:
+                env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(shares[p.stage])
             cmd = [str(shm) if a == SHM_DIR_TOKEN else a for a in command(p, str(cfg_path))]
             p.log_path = str(self.workdir / f"{p.stage}-{p.index}.log")
             self._cmds[i] = (cmd, env)
