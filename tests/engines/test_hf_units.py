@@ -184,6 +184,21 @@ def test_kv_bucket_covers_the_longest_row_and_caps_at_the_slot() -> None:
         assert need <= kv_bucket(need, 4096) <= 4096
 
 
+def test_start_up_capture_covers_every_bucket_a_step_can_use(model_dirs: dict[str, Path]) -> None:
+    """``graph_buckets`` lists every (batch bucket, K/V bucket) pair a step can hit, small first,
+    so a start-up capture within its budget leaves nothing for the serving path; on a CPU nothing
+    is captured."""
+    from easerve_runtime.engines.hf import HFDecodeEngine, kv_bucket
+
+    eng = HFDecodeEngine(model_dirs["llava-next"], max_len=2048, max_slots=5)
+    got = eng.graph_buckets()
+    want = {(eng._bucket(n), kv_bucket(need, eng.max_len)) for n in range(1, eng.slots + 1)
+            for need in range(1, eng.max_len + 1)}
+    assert set(got) == want and len(got) == len(want)
+    assert got == sorted(got)
+    assert "precaptured" not in eng.stats  # cuda_graphs is off on a CPU
+
+
 def test_decode_engine_uses_the_slot_attention(model_dirs: dict[str, Path]) -> None:
     from easerve_runtime.engines.hf import SLOT_ATTENTION, HFDecodeEngine
 
