@@ -331,8 +331,10 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         spec_path.write_text(json.dumps(doc, indent=1))
         stats_dir = workdir / "decode-stats"
         stats_dir.mkdir(parents=True, exist_ok=True)
+        # a +mpsNN system runs under an MPS daemon of its own (unless the whole run has one, --mps)
+        own_mps = MPS(workdir) if system_.mps is not None and "CUDA_MPS_PIPE_DIRECTORY" not in extra_env else None
         env = {**os.environ, **extra_env, "EASERVE_TORCH_MAX_LEN": str(args.max_len), **system_.env,
-               "EASERVE_DECODE_STATS": str(stats_dir)}
+               **(own_mps.env if own_mps else {}), "EASERVE_DECODE_STATS": str(stats_dir)}
         if args.size == "tiny":
             env.update(EASERVE_DEVICE="cpu", OMP_NUM_THREADS="1")
         log(f"{system}: starting easerve serve")
@@ -366,6 +368,8 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
             log(f"{system}: {runs['error']}")
         finally:
             srv.stop()
+            if own_mps is not None:
+                own_mps.stop()
             result_path.write_text(json.dumps(result, indent=1))
     plot(result, out / "gpu_serve.png")
     print(json.dumps(summarize([result]), indent=1))

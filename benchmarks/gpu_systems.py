@@ -12,6 +12,10 @@ Names (``--systems``):
   HAS's own ``space.apply_candidate`` (``System.candidate``).
 - ``dynamo-style:ALLOC``: the Dynamo-style baseline on another allocation (its allocation
   sweep), e.g. ``dynamo-style:e1p2d1``; B = 1 eager, s = 1, no split, CPU preprocessing.
+- ``...+mpsNN`` after an ``easerve`` or ``dynamo-style`` name: the same system under an MPS daemon
+  of its own, its encode and prefill processes capped at NN % of the SMs
+  (``EASERVE_MPS_SHARES``), decode uncapped; e.g. ``easerve:e1p0d1:b6:s0+mps70``. Not for
+  ``aggregated``: one process per GPU has nothing to share the GPU with.
 
 ``ALLOC`` reads ``e<N>p<N>d<N>``: encode, prefill and decode workers, with ``tp<K>`` after the
 prefill or decode count for a tensor-parallel pool (``e2p1tp2d1tp4``). ``gpuBudget`` is what the
@@ -28,10 +32,14 @@ An allocation is HAS's own ``space.Alloc``, so a candidate and its name convert 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from easerve_operator.tuning.space import Alloc, Candidate
+from easerve_runtime.workers.launcher import MPS_SHARES_ENV
+
+MPS_CAPPED = ("encode", "local-prefill", "prefill")
+"""The stages ``+mpsNN`` caps: everything but decode (and the frontend, which runs no kernels)."""
 
 SYSTEMS: dict[str, dict[str, Any]] = {
     "easerve": {
@@ -85,10 +93,16 @@ class System:
     offload: float | None = None
     preprocessing: str | None = None
     """``easerve:`` points: ``spec.encode.preprocessing`` when it is not the base's (``:cpu``)."""
+    mps: int | None = None
+    """``+mpsNN``: under MPS, the encode and prefill processes' SM cap in percent."""
 
     @property
     def name(self) -> str:
         """The one spelling of this system (``parse(s.name) == s``)."""
+        return self._name + (f"+mps{self.mps}" if self.mps is not None else "")
+
+    @property
+    def _name(self) -> str:
         if self.tokens is not None:
             return f"{self.base}@{self.tokens}"
         if self.layout is None:
@@ -100,7 +114,10 @@ class System:
 
     @property
     def env(self) -> dict[str, str]:
-        return dict(SYSTEMS[self.base]["env"])
+        env = dict(SYSTEMS[self.base]["env"])
+        if self.mps is not None:
+            env[MPS_SHARES_ENV] = ",".join(f"{st}={self.mps}" for st in MPS_CAPPED)
+        return env
 
     @property
     def preprocess(self) -> str:
@@ -117,7 +134,7 @@ class System:
     @property
     def slug(self) -> str:
         """The name as a file and Kubernetes name part (lowercase letters, digits and dashes)."""
-        return self.name.replace("@", "-tb").replace(":", "-").replace(".", "p")
+        return self.name.replace("@", "-tb").replace(":", "-").replace(".", "p").replace("+", "-")
 
     def placement(self, token_budget: int, gpus: int) -> dict[str, Any]:
         """The spec fields that make this system (beside model, engine, decode, SLO, discovery)."""
@@ -163,6 +180,16 @@ def point(base: str, layout: Alloc, batch_bound: int | None = None, offload: flo
 
 def parse(system: str) -> System:
     """``system`` as a ``System``; a ``ValueError`` naming the wrong part for a name it refuses."""
+    head, plus, tail = system.partition("+")
+    if plus:
+        m = re.fullmatch(r"mps(\d+)", tail)
+        if m is None or not 1 <= int(m.group(1)) <= 100 or str(int(m.group(1))) != m.group(1):
+            raise _refuse(system, f"{tail!r}: the part after + is mpsNN, NN the encode and prefill SM cap in "
+                                  "percent (1-100)")
+        inner = parse(head)
+        if inner.base not in POINT_SYSTEMS:
+            raise _refuse(system, f"{inner.base} runs one process per GPU: +mps has nothing to cap")
+        return replace(inner, mps=int(m.group(1)))
     base, at, tokens = system.partition("@")
     base, colon, rest = base.partition(":")
     if base not in SYSTEMS:

@@ -29,6 +29,7 @@ def spec_of(system: str) -> dict:
     "easerve", "easerve-own-process", "dynamo-style", "aggregated", "aggregated@4096",
     "easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b16:s0", "easerve:e1p1d1:b1:s1", "easerve:e2p1tp2d1tp4:b8:s0.3",
     "dynamo-style:e1p2d1", "dynamo-style:e1p1d2tp2",
+    "easerve:e1p0d1:b6:s0+mps70", "easerve:e1p0d1:b6:s0:cpu+mps50", "dynamo-style:e1p1d1+mps100", "easerve+mps60",
 ])
 def test_a_name_parses_to_the_system_whose_name_it_is(name: str) -> None:
     assert parse(name).name == name
@@ -62,6 +63,10 @@ def test_a_point_of_has_space_round_trips_through_its_name() -> None:
     ("aggregated@x", "'x'", "positive integer"),
     ("easerve@2048", "'easerve@2048'", "only aggregated takes @TOKENS"),
     ("aggregated:e1p1d1", "'aggregated:e1p1d1'", "only easerve and dynamo-style"),
+    ("easerve:e1p0d1:b6:s0+mps0", "'mps0'", "mpsNN"),
+    ("easerve:e1p0d1:b6:s0+mps070", "'mps070'", "mpsNN"),
+    ("easerve:e1p0d1:b6:s0+mps", "'mps'", "mpsNN"),
+    ("aggregated@4096+mps50", "aggregated", "+mps has nothing to cap"),
 ])
 def test_a_bad_name_is_refused_naming_the_part_that_is_wrong(name: str, part: str, why: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -130,3 +135,15 @@ def test_an_easerve_point_may_preprocess_on_the_cpu_and_says_so_in_its_one_name(
     assert point("easerve", Alloc(1, 0, 1, 1, 1), 6, 0.0, "cpu").name == "easerve:e1p0d1:b6:s0:cpu"
     with pytest.raises(ValueError, match="':cpu'"):
         parse("easerve:e1p0d1:b6:s0:gpu")
+
+
+def test_an_mps_system_caps_encode_and_prefill_and_leaves_decode_free() -> None:
+    """``+mpsNN``: the same spec, the encode and prefill processes capped under MPS, decode not."""
+    from easerve_runtime.workers.launcher import MPS_SHARES_ENV, mps_shares
+
+    sys_ = parse("dynamo-style:e1p1d1+mps50")
+    assert sys_.mps == 50 and sys_.layout == parse("dynamo-style:e1p1d1").layout
+    assert spec_of(sys_.name) == spec_of("dynamo-style:e1p1d1")
+    assert mps_shares(sys_.env[MPS_SHARES_ENV]) == {"encode": 50, "local-prefill": 50, "prefill": 50}
+    assert MPS_SHARES_ENV not in parse("dynamo-style:e1p1d1").env
+    assert sys_.slug == "dynamo-style-e1p1d1-mps50"
