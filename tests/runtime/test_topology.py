@@ -294,3 +294,12 @@ def test_launcher_caps_each_stage_under_mps(tmp_path: Path, monkeypatch: pytest.
             L.mps_shares(bad)
         assert names in str(exc.value)
     assert L.mps_shares("") == {}
+
+
+def test_easerve_serve_refuses_a_bad_mps_share_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    from easerve_runtime.cli import serve as cli
+
+    path = str(EXAMPLES[0].parent / "llava-v1.6-34b.yaml")
+    assert cli.main(["-f", path, "--mps-share", "encoder=85"]) == 2
+    err = capsys.readouterr().err
+    assert "--mps-share" in err and "'encoder=85'" in err and "EASERVE_MPS_SHARES" in err

@@ -15,6 +15,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--workdir", default=None, help="Config, discovery dir, logs, processes.json (default: a temp dir)."
     )
+    parser.add_argument(
+        "--mps-share",
+        default=None,
+        help="stage=percent,... : under an MPS daemon (CUDA_MPS_PIPE_DIRECTORY), cap each named stage's "
+        "processes at that share of the SMs, e.g. encode=85,local-prefill=85,prefill=85 when the pods share "
+        "one GPU (decode left uncapped). Sets EASERVE_MPS_SHARES; docs/engine.md, 'Pods that share a GPU'.",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -26,9 +33,18 @@ def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from easerve_runtime.api import spec_errors
+    from easerve_runtime.workers.launcher import MPS_SHARES_ENV, mps_shares
 
+    env: dict[str, str] = {}
+    if args.mps_share is not None:
+        try:
+            mps_shares(args.mps_share)
+        except ValueError as exc:
+            print(f"easerve serve: --mps-share: {exc}", file=sys.stderr)
+            return 2
+        env[MPS_SHARES_ENV] = args.mps_share
     try:
-        return serve(args.file, args.port, args.workdir)
+        return serve(args.file, args.port, args.workdir, env=env)
     except ValidationError as exc:
         print(f"easerve serve: {args.file}:\n  " + "\n  ".join(spec_errors(exc)), file=sys.stderr)
         return 2
