@@ -96,21 +96,22 @@ def twin_doc(system: str, tmp: Path, preprocessing: str | None = None) -> dict[s
     if preprocessing is not None:
         doc["spec"].setdefault("encode", {})["preprocessing"] = preprocessing
         cpu = preprocessing == "cpu"
-        return ta.twin_spec(doc["spec"], ta.merged_profile(tmp, PROFILES[0], PROFILES[1] if cpu and PROFILES[1].exists() else None))
-    return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
+        pfile = ta.merged_profile(tmp, PROFILES[0], PROFILES[1] if cpu and PROFILES[1].exists() else None)
+        return ta.twin_spec_of(system, doc["spec"], pfile)
+    return ta.twin_spec_of(system, doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
 
 
 def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int = HOST_GPUS) -> dict[str, Any]:
     """The twin's figures for ``system`` deployed at ``rate`` (twin_agreement's way: same requests)."""
     from easerve_runtime.api import parse_spec
 
-    s = ta.twin_point(parse_spec(twin_doc(system, tmp)), rate, requests, host_gpus)
+    s = ta.twin_point(parse_spec(twin_doc(system, tmp)), rate, requests, host_gpus, ta.mps_caps_of(system))
     return {"goodput": round(s["goodput"].get(TIER, 0.0), 4), "throughput": round(s["throughput"], 4),
             "ttft_p99": round(s["ttft_p99"], 4), "tpot_p99": round(s["tpot_p99"], 5)}
 
 
 def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tmp: Path,
-               progress: bool = True, preprocessing: str = "gpu") -> tuple[Any, list[Any]]:
+               progress: bool = True, preprocessing: str = "gpu", mps: int | None = None) -> tuple[Any, list[Any]]:
     """HAS on the calibrated twin (``search.tune``, as ``easerve tune --backend sim`` runs it, its
     trials time-slicing one host GPU); returns the result and its distinct successful trials,
     best first by the tuner's own ranking (goodput, ties by mean TTFT then TPOT)."""
@@ -121,7 +122,7 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     from easerve_operator.tuning.space import space_for
     from easerve_runtime.api import parse_spec
 
-    base = twin_doc("easerve", tmp, preprocessing=preprocessing)
+    base = twin_doc("easerve" if mps is None else f"easerve+mps{mps}", tmp, preprocessing=preprocessing)
     base["gpuBudget"] = pods
     base.pop("allocation")  # HAS chooses it
     spec = parse_spec(base)
@@ -142,7 +143,10 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
             bar.update(1)
 
     try:
-        result = tune(spec, runner=SimRunner(host_gpus=HOST_GPUS), profiler=profiler, space=space, rate=rate,
+        runner: Any = SimRunner(host_gpus=HOST_GPUS)
+        if mps is not None:
+            runner = Unpartitioned(SimRunner(host_gpus=HOST_GPUS, mps_caps=ta.mps_caps_of(f"easerve+mps{mps}")))
+        result = tune(spec, runner=runner, profiler=profiler, space=space, rate=rate,
                       objective=f"goodput@{TIER}", rules=StopRules(budget=trials), seed=seed,
                       workload_seed=ta.BENCH_SEED, requests=requests, on_trial=on_trial)
     finally:
@@ -156,14 +160,28 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     return result, ranked
 
 
-def system_of(c: Any, preprocessing: str = "gpu") -> str:
+class Unpartitioned:
+    """HAS's trial runner under MPS caps: every trial's encode and local prefill unpartitioned
+    (``space.apply_candidate`` turns the dynamic split on for s < 1, but under MPS the encode
+    process's green contexts are unavailable and the runtime serves unpartitioned, run 14)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def run_trial(self, spec: Any, rate: float, requests: int, seed: int) -> Any:
+        part = spec.sm_partition.model_copy(update={"mode": "none"})
+        return self.inner.run_trial(spec.model_copy(update={"sm_partition": part}), rate, requests, seed)
+
+
+def system_of(c: Any, preprocessing: str = "gpu", mps: int | None = None) -> str:
     """The ``gpu_serve.py`` name that deploys HAS candidate ``c`` (``space.Candidate``) with
-    ``spec.encode.preprocessing`` = ``preprocessing``."""
-    return point("easerve", c.alloc, c.batch_bound, c.offload_ratio, preprocessing).name
+    ``spec.encode.preprocessing`` = ``preprocessing`` (and under MPS caps of ``mps`` %)."""
+    name = point("easerve", c.alloc, c.batch_bound, c.offload_ratio, preprocessing).name
+    return name if mps is None else f"{name}+mps{mps}"
 
 
 def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = TRIALS, seed: int = 0,
-         progress: bool = True, pre: str = "gpu") -> dict[str, Any]:
+         progress: bool = True, pre: str = "gpu", mps: int | None = None) -> dict[str, Any]:
     """HAS's plan at ``rate``: its pick and top 3, the baselines, each with the twin's figures; every
     EAServe candidate preprocessing as ``pre`` says (``spec.encode.preprocessing``: HAS does not
     search it)."""
@@ -172,7 +190,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress, pre)
+        result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress, pre, mps)
         if result.best is None:
             raise SystemExit("HAS found no configuration that served on the twin")
         pick = result.best.candidate
@@ -180,21 +198,21 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         top += [r for r in ranked if r.candidate.key() != pick.key()][: TOP - 1]
 
         def entry(r: Any) -> dict[str, Any]:
-            name = system_of(r.candidate, pre)
+            name = system_of(r.candidate, pre, mps)
             return {"system": name, **r.candidate.to_dict(), "has_trial_goodput": round(r.value, 4),
                     "twin": predict(name, rate, requests, tmp)}
 
-        dynamo = [point("dynamo-style", a).name
+        dynamo = [point("dynamo-style", a).name + ("" if mps is None else f"+mps{mps}")
                   for a in enumerate_allocations(pods, 1, local_prefill=False, tp_options=(1,))]
         baselines = [*dynamo, *(f"aggregated@{k}" for k in AGGREGATED_TOKENS)]
         tops = [entry(r) for r in top]
         out = {
-            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS, "preprocessing": pre,
+            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS, "preprocessing": pre, "mps": mps,
             "requests": requests, "seed": ta.BENCH_SEED, "slo_scale": SLO_SCALE, "objective": f"goodput@{TIER}",
             "profile": str(PROFILES[0].relative_to(REPO)), "space": result.space.to_dict(),
             "has": {"trials": len(result.real_trials), "trial_budget": trials, "stop": result.stop_reason,
                     "stage1_kept": [s.alloc.label for s in result.stage1.seeds] if result.stage1 else [],
-                    "tried": [{"system": system_of(r.candidate, pre), "goodput": None if r.value is None else round(r.value, 4)}
+                    "tried": [{"system": system_of(r.candidate, pre, mps), "goodput": None if r.value is None else round(r.value, 4)}
                               for r in result.real_trials]},
             "pick": tops[0]["system"], "top": tops,
             "baselines": [{"system": b, "twin": predict(b, rate, requests, tmp)} for b in baselines],
@@ -326,6 +344,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=REQUESTS, help="requests per trial (--plan) / per point (--deploy)")
     ap.add_argument("--trials", type=int, default=TRIALS, help="--plan: HAS's trial budget")
     ap.add_argument("--seed", type=int, default=0, help="--plan: HAS's search seed")
+    ap.add_argument("--mps", type=int, default=None, metavar="PERCENT",
+                    help="--plan: every EAServe candidate and Dynamo-style baseline served under MPS with its "
+                         "encode and prefill processes capped at PERCENT of the SMs (+mpsNN; the twin's sim.mpsshare)")
     ap.add_argument("--preprocessing", choices=["gpu", "cpu"], default="gpu",
                     help="--plan: spec.encode.preprocessing of every EAServe candidate (run 13: cpu)")
     ap.add_argument("--save", nargs="?", const=str(PLAN), default=None, help="--plan: write the plan here")
@@ -357,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--deploy needs --out")
         return deploy(args)
     doc = plan(args.rate, args.pods, args.requests, args.trials, args.seed, progress=not args.no_progress,
-               pre=args.preprocessing)
+               pre=args.preprocessing, mps=args.mps)
     line = json.dumps(doc)
     if args.save:
         Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")

@@ -198,10 +198,30 @@ def system_profile(system: str, tmp: Path, profile: Path, cpu_pre: Path) -> Path
     return merged_profile(tmp, profile, cpu_pre if on_cpu and cpu_pre.exists() else None)
 
 
-def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None) -> dict[str, Any]:
+def mps_caps_of(system: str) -> dict[str, float] | None:
+    """The per-stage SM caps a ``+mpsNN`` system ran under (``gpu_systems``), as fractions; None
+    for a system that time-sliced its GPU."""
+    from gpu_systems import MPS_CAPPED, parse
+
+    s = parse(system)
+    return None if s.mps is None else {stage: s.mps / 100.0 for stage in MPS_CAPPED}
+
+
+def twin_spec_of(system: str, spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
+    """``twin_spec`` for ``system``: under MPS the encode process's green contexts are unavailable
+    (run 14's logs: 'green contexts unavailable ... prefill unpartitioned'), so a capped system's
+    encode and local prefill share their process unpartitioned, as ``smPartition.mode: none``."""
+    d = twin_spec(spec, pfile)
+    if mps_caps_of(system) is not None:
+        d["smPartition"] = {"mode": "none"}
+    return d
+
+
+def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
+               mps_caps: dict[str, float] | None = None) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
-    ``host_gpus`` GPUs."""
+    ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced)."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
@@ -210,8 +230,9 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
         agg = spec.aggregated_engine
         layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
         return simulate_system(spec, reqs, "aggregated", layout=layout).summary
-    # the run's own host: its processes time-slice the GPUs they share (sim.timeslice)
-    return simulate_system(spec, reqs, "easerve", host_gpus=host_gpus).summary
+    # the run's own host: its processes time-slice the GPUs they share (sim.timeslice), or run
+    # side by side under MPS with SM caps (sim.mpsshare)
+    return simulate_system(spec, reqs, "easerve", host_gpus=host_gpus, mps_caps=mps_caps).summary
 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
@@ -220,12 +241,13 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
     out: dict[str, Any] = {}
     for system, s in run["systems"].items():
         pfile = system_profile(system, tmp, profile, cpu_pre)
-        spec = parse_spec(twin_spec(s["spec"], pfile))
+        spec = parse_spec(twin_spec_of(system, s["spec"], pfile))
+        caps = mps_caps_of(system)
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
         rows = []
         for p in pts:
-            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"))
+            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps)
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
@@ -349,6 +371,71 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
+MPS_GRID = {"contention": (0.0, 0.1, 0.15, 0.2, 0.3, 0.5), "decode_saturation": (0.1, 0.2, 0.3, 0.4, 0.5)}
+MPS_FIT_MAX_RATE = 7.0
+"""``--mps-fit`` fits ``sim.mpsshare``'s two constants on the capped points at or below this rate
+and reports the points above it as held out (run 14: fitted on 5.5 and 7 req/s, checked at 8.5)."""
+
+
+def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
+    """Calibrate ``sim.mpsshare`` (``CONTENTION``, ``DECODE_SATURATION``) on the ``+mpsNN`` points of
+    the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
+    p50 and P99 TTFT at the fit points; the held-out points' errors at that grid point beside it."""
+    import math
+
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import mpsshare
+
+    pts: list[tuple[str, Any, dict[str, Any], int | None]] = []
+    with tempfile.TemporaryDirectory() as t:
+        tmp = Path(t)
+        for f in sorted(glob.glob(runs_glob)):
+            run = json.loads(Path(f).read_text())
+            for system, sy in run.get("systems", {}).items():
+                if mps_caps_of(system) is None:
+                    continue
+                spec = parse_spec(twin_spec_of(system, sy["spec"], system_profile(system, tmp, profile, cpu_pre)))
+                pts += [(system, spec, p, run.get("host_gpus")) for p in sy.get("points", [])]
+        if not pts:
+            raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
+
+        def errors(c: float, f: float) -> list[dict[str, Any]]:
+            mpsshare.CONTENTION, mpsshare.DECODE_SATURATION = c, f
+            rows = []
+            for system, spec, p, host in pts:
+                res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system))
+                meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
+                        "ttft_p99": p["ttft"]["p99"]}
+                twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
+                        "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99")}
+                err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3))) for k in meas}
+                rows.append({"system": system, "rate": p["rate"], "held_out": p["rate"] > MPS_FIT_MAX_RATE,
+                             "measured": meas, "twin": twin, "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
+            return rows
+
+        def score(rows: list[dict[str, Any]], held_out: bool) -> float:
+            sel = [r for r in rows if r["held_out"] == held_out]
+            return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
+
+        saved = (mpsshare.CONTENTION, mpsshare.DECODE_SATURATION)
+        grid = []
+        try:
+            for c in MPS_GRID["contention"]:
+                for f in MPS_GRID["decode_saturation"]:
+                    rows = errors(c, f)
+                    grid.append({"contention": c, "decode_saturation": f, "fit_error": round(score(rows, False), 4),
+                                 "held_out_error": round(score(rows, True), 4), "rows": rows})
+        finally:
+            mpsshare.CONTENTION, mpsshare.DECODE_SATURATION = saved
+    best = min(grid, key=lambda g: g["fit_error"])
+    return {"bench": "twin_agreement", "mode": "mps-fit", "fit_rates_up_to": MPS_FIT_MAX_RATE,
+            "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
+            "in_code": {"contention": saved[0], "decode_saturation": saved[1]},
+            "best": {k: best[k] for k in ("contention", "decode_saturation", "fit_error", "held_out_error")},
+            "points": best["rows"],
+            "grid": [{k: g[k] for k in ("contention", "decode_saturation", "fit_error", "held_out_error")} for g in grid]}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="on the GPU machine: measure the engine profiles")
@@ -363,7 +450,13 @@ def main() -> int:
     p.add_argument("--runs", default=str(RESULTS / "gpu_serve_h200_*.json"),
                    help="the GPU runs to predict (a glob of gpu_serve result files)")
     p.add_argument("--plot", default=str(REPO / "docs" / "img" / "twin_agreement.png"))
+    p.add_argument("--mps-fit", action="store_true",
+                   help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
+                        "the rest held out); prints the grid and the best point")
     args = p.parse_args()
+    if args.mps_fit:
+        print(json.dumps(mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
+        return 0
     if args.measure or args.measure_path:
         if not args.out:
             p.error("--measure and --measure-path need --out")

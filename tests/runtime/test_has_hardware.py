@@ -51,6 +51,21 @@ def test_the_plan_picks_a_point_of_has_space_and_names_it_deployably(small_plan:
         parse_spec(spec_of(name))
 
 
+def test_a_plan_under_mps_caps_names_and_predicts_every_system_capped(tmp_path: Path) -> None:
+    """``--plan --mps 85``: HAS searches on the twin whose pods share the GPU under MPS caps
+    (``sim.mpsshare``); every EAServe candidate and Dynamo-style baseline is named ``+mps85``, and
+    the twin's prediction for each name is the trial HAS ran (the same caps, unpartitioned)."""
+    plan = has_hardware.plan(7.0, pods=3, requests=40, trials=6, progress=False, mps=85)
+    assert plan["mps"] == 85
+    for t in plan["top"]:
+        assert t["system"].endswith("+mps85") and parse(t["system"]).mps == 85
+        assert t["twin"]["goodput"] == pytest.approx(t["has_trial_goodput"], abs=1e-4)
+    assert plan["groups"]["baselines"][0] == "dynamo-style:e1p1d1+mps85"
+    sliced = has_hardware.predict("dynamo-style:e1p1d1", 7.0, 40, tmp_path)
+    capped = next(b for b in plan["baselines"] if b["system"] == "dynamo-style:e1p1d1+mps85")["twin"]
+    assert capped != sliced  # the capped twin is not the time-sliced one
+
+
 # ------------------------------------------------------------------ --summary
 def pt(rate: float, moderate: float, requests: int = 40) -> dict:
     return {"rate": rate, "requests": requests, "goodput": {"moderate": moderate, "strict": 0.0}, "throughput": rate}

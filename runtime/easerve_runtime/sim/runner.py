@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec
@@ -65,16 +66,18 @@ def run_trial(
     system: str = "easerve",
     model: StageModel | None = None,
     host_gpus: int | None = None,
+    mps_caps: Mapping[str, float] | None = None,
 ) -> dict[str, Any]:
     """One end-to-end trial of ``spec`` at ``rate`` req/s on ``n_requests`` seeded requests.
 
     ``model``: the stage model to time it with (default: the spec's profile as is; the autopilot
     passes one scaled to what the deployment measures). ``host_gpus``: the trial runs on one host
     with that many GPUs, its pods time-slicing the GPUs they share (``sim.timeslice``), as a
-    deployment on fewer GPUs than its topology does (default: every pod on GPUs of its own)."""
+    deployment on fewer GPUs than its topology does (default: every pod on GPUs of its own);
+    ``mps_caps``: those pods run under MPS with these per-stage SM caps instead (``sim.mpsshare``)."""
     t0 = time.process_time()
     reqs = generate(spec, rate, n_requests, seed, arrival=arrival, cv=cv)
-    result = simulate_system(spec, reqs, system, model or cached_model(spec), host_gpus=host_gpus)
+    result = simulate_system(spec, reqs, system, model or cached_model(spec), host_gpus=host_gpus, mps_caps=mps_caps)
     out = trial_metrics(result)
     out["cpu_s"] = time.process_time() - t0
     return out
@@ -88,9 +91,10 @@ class SimTrialRunner:
     """
 
     def __init__(self, arrival: str = "poisson", cv: float = 1.0, system: str = "easerve",
-                 host_gpus: int | None = None) -> None:
+                 host_gpus: int | None = None, mps_caps: Mapping[str, float] | None = None) -> None:
         self.arrival, self.cv, self.system, self.host_gpus = arrival, cv, system, host_gpus
+        self.mps_caps = mps_caps
 
     def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> dict[str, Any]:
         return run_trial(spec, rate, requests, seed, arrival=self.arrival, cv=self.cv, system=self.system,
-                         host_gpus=self.host_gpus)
+                         host_gpus=self.host_gpus, mps_caps=self.mps_caps)

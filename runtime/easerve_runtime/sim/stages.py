@@ -44,6 +44,7 @@ from easerve_runtime.policies.prefill_batch import PrefillBatcher
 from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
+from easerve_runtime.sim.mpsshare import MPSSharing
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.timeslice import TimeSlicing
 from easerve_runtime.workload.request import Request, RequestRecord
@@ -72,14 +73,18 @@ class Job:
 
 
 class Busy:
-    """Accumulates busy seconds for utilisation; charges time-slicing on a shared GPU."""
+    """Accumulates busy seconds for utilisation; charges the sharing of a GPU that pods share
+    (time-slicing, ``sim.timeslice``, or MPS with SM caps, ``sim.mpsshare``)."""
 
     __slots__ = ("busy_s", "ts", "proc")
+    work = ""
+    """What this worker runs on the GPU (``encode``, ``prefill``, ``decode``): MPS caps slow each
+    kind by its own SM curve."""
 
     def __init__(self) -> None:
         self.busy_s = 0.0
-        self.ts: TimeSlicing | None = None
-        """Set by ``run_pipeline`` when processes share host GPUs (``sim.timeslice``)."""
+        self.ts: TimeSlicing | MPSSharing | None = None
+        """Set by ``run_pipeline`` when processes share host GPUs."""
         self.proc = ""
         """This worker's pod replica (``timeslice.pod_key``)."""
 
@@ -88,13 +93,15 @@ class Busy:
         ``dt`` on GPUs of its own); the pod is busy until it ends."""
         if self.ts is None:
             return dt
-        dt *= self.ts.dilation(self.proc)
+        dt *= self.ts.dilation(self.proc, self.work)
         self.ts.occupy(self.proc, self.ts.loop.now + dt)
         return dt
 
 
 class DecodeWorker(Busy):
     """Continuous batching: every step emits one token for every running sequence."""
+
+    work = "decode"
 
     def __init__(
         self,
@@ -206,6 +213,8 @@ class KVHandoff:
 class PrefillWorker(Busy):
     """Batched prefill (``PrefillBatcher``); a local worker's speed follows its SM share."""
 
+    work = "prefill"
+
     def __init__(
         self,
         loop: EventLoop,
@@ -260,7 +269,7 @@ class PrefillWorker(Busy):
         self.batches += 1
         self.tokens_sum += tokens
         self._frac_left = 1.0
-        self.sliced = self.ts.dilation(self.proc) if self.ts is not None else 1.0
+        self.sliced = self.ts.dilation(self.proc, self.work) if self.ts is not None else 1.0
         self._schedule()
 
     def _schedule(self) -> None:
@@ -314,6 +323,8 @@ class PrefillWorker(Busy):
 class EncodeWorker(Busy):
     """One encode GPU: the real batcher decides dispatch, the real split policy the SM share,
     the real post-encode router where each request goes, the real send window when it waits."""
+
+    work = "encode"
 
     def __init__(
         self,

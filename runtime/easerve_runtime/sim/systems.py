@@ -15,7 +15,7 @@ configuration by sweeping (every feasible allocation for ``dynamo``, every TP la
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,6 +120,7 @@ def simulate_system(
     layout: tuple[int, ...] | None = None,
     host_gpus: int | None = None,
     frontends: int = 0,
+    mps_caps: Mapping[str, float] | None = None,
 ) -> SimResult:
     """Run ONE configuration of ``system`` (no sweep).
 
@@ -127,7 +128,8 @@ def simulate_system(
     pipeline runs on one host with that many GPUs, its processes time-slicing the GPUs they share
     (``sim.timeslice``); an aggregated replica has its GPUs to itself either way. ``frontends``: the
     disaggregated pipeline's requests pass that many frontends' admission control (``sim.frontdoor``);
-    0 admits every request."""
+    0 admits every request. ``mps_caps``: the pods that share host GPUs run under MPS with these
+    per-stage SM caps instead of time-slicing (``sim.mpsshare``)."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
@@ -153,7 +155,7 @@ def simulate_system(
                 return EagerBatcher(1, half_life_s=half_life)
 
         jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus,
-                                   frontends=frontends)
+                                   frontends=frontends, mps_caps=mps_caps)
         config = _config(v, system)
     records = [j.rec for j in jobs]
     for j in jobs:

@@ -70,9 +70,9 @@ class TimeSlicing:
         self.charged = 0  # dispatches that paid a factor > 1 (for reports)
         self.dispatches = 0
 
-    def dilation(self, proc: str) -> float:
+    def dilation(self, proc: str, work: str = "") -> float:
         """The factor on a piece of work pod replica ``proc`` dispatches now: 1 + the other pod
-        replicas with work in flight on any GPU it runs on."""
+        replicas with work in flight on any GPU it runs on (whatever the ``work``)."""
         mine = self.devices.get(proc)
         if not mine:
             return 1.0

@@ -10,7 +10,7 @@ outstanding (``LeastOutstanding``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from easerve_runtime.policies.router import LeastOutstanding
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.frontdoor import FrontDoor
 from easerve_runtime.sim.latency import StageModel
+from easerve_runtime.sim.mpsshare import MPSSharing
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandoff, PrefillWorker
 from easerve_runtime.sim.timeslice import TimeSlicing, placement, pod_key
@@ -58,6 +59,7 @@ def run_pipeline(
     control: Control | None = None,
     host_gpus: int | None = None,
     frontends: int = 0,
+    mps_caps: Mapping[str, float] | None = None,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -67,6 +69,8 @@ def run_pipeline(
     so processes on the same GPU time-slice it (``sim.timeslice``); None: GPUs of their own.
     ``frontends``: that many frontends admit the requests as the live ones do (``sim.frontdoor``:
     refused requests fail with the 429 reason); 0 (the default): every request is admitted.
+    ``mps_caps`` (stage -> SM fraction): the processes that share a GPU run under MPS with these
+    caps (``sim.mpsshare``) instead of time-slicing it.
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -76,7 +80,9 @@ def run_pipeline(
     topo = topology(spec, model)
     loop = EventLoop()
     devices = placement(topo, host_gpus)
-    ts = TimeSlicing(loop, devices) if devices else None
+    ts: TimeSlicing | MPSSharing | None = None
+    if devices:
+        ts = MPSSharing(loop, devices, mps_caps, model) if mps_caps is not None else TimeSlicing(loop, devices)
 
     def each(stage: Stage) -> list[Process]:
         return [proc for pod, _ in topo.replicas() for proc in pod.process(stage)]
@@ -224,6 +230,7 @@ def run_pipeline(
         stats["admission"] = {"frontends": frontends, "bound": door.bound,
                               "capacity_rps": door.capacity_rps, "refused": door.refused}
     if ts is not None:
-        stats["time_slicing"] = {"host_gpus": host_gpus, "pods": {k: sorted(v) for k, v in devices.items()},
-                                 "dispatches": ts.dispatches, "charged": ts.charged}
+        stats["time_slicing" if mps_caps is None else "mps_sharing"] = {
+            "host_gpus": host_gpus, "pods": {k: sorted(v) for k, v in devices.items()},
+            "dispatches": ts.dispatches, "charged": ts.charged, **({"caps": dict(mps_caps)} if mps_caps else {})}
     return jobs, stats

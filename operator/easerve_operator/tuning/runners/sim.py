@@ -8,6 +8,7 @@ device time a real trial or profile run would take.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from easerve_runtime.api import EPDDeploymentSpec
@@ -22,12 +23,14 @@ class SimRunner:
 
     ``host_gpus``: trials run on one host with that many GPUs, the candidate's pods time-slicing
     the GPUs they share (what a deployment on fewer GPUs than its topology gets: the launcher wraps
-    its GPUs onto the host's); default every pod on GPUs of its own, as on a cluster."""
+    its GPUs onto the host's); default every pod on GPUs of its own, as on a cluster. ``mps_caps``:
+    those pods run under MPS with these per-stage SM caps (``easerve serve --mps-share``)."""
 
-    def __init__(self, arrival: str = "poisson", cv: float = 1.0, host_gpus: int | None = None) -> None:
+    def __init__(self, arrival: str = "poisson", cv: float = 1.0, host_gpus: int | None = None,
+                 mps_caps: Mapping[str, float] | None = None) -> None:
         from easerve_runtime.sim.runner import SimTrialRunner
 
-        self._inner = SimTrialRunner(arrival=arrival, cv=cv, host_gpus=host_gpus)
+        self._inner = SimTrialRunner(arrival=arrival, cv=cv, host_gpus=host_gpus, mps_caps=mps_caps)
         self.last: dict[str, Any] = {}
 
     def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> TrialMetrics:

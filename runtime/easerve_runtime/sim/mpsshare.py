@@ -1,0 +1,116 @@
+"""Pods that share one GPU under MPS with per-stage SM caps; the twin charges that at dispatch.
+
+Why: ``easerve serve --mps-share`` (``EASERVE_MPS_SHARES``) runs the processes of pods that share
+a GPU concurrently under MPS, each named stage capped at a share of the SMs
+(``CUDA_MPS_ACTIVE_THREAD_PERCENTAGE``), decode uncapped. On one H200 that served 1.5-2.4x the
+moderate-tier goodput of time-slicing (run 14, docs/benchmarks.md), and ``sim.timeslice``'s rule
+(each process at 1/k of its pace while k have work) predicts nothing of it.
+
+The model, charged when work is dispatched (as ``sim.timeslice``; work in flight is not re-timed):
+
+- **A capped pod** (cap ``c``) runs at the SM share ``c``, or ``c / C`` when the caps of the capped
+  pods with work in flight (its own included) sum to ``C > 1``: its duration is the profile's at
+  that share (``StageModel.encode_s`` / ``prefill_s`` with an SM share, the same curves the SM
+  partition uses) over the profile's at the whole GPU.
+- **An uncapped pod** (decode) gets what the capped pods in flight leave, ``f = 1 - sum of their
+  caps`` (at least ``MIN_FREE``: the hardware interleaves blocks as they finish), and runs at full
+  pace while ``f >= decode_saturation`` (a memory-bound step reaches the GPU's bandwidth on a
+  fraction of the SMs), else ``decode_saturation / f`` times slower; ``k`` other uncapped pods in
+  flight (two decode pods on one GPU) split the bandwidth with it, ``1 + k`` times slower.
+- **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
+  contention``: the two compete for memory bandwidth and caches whatever the SM split.
+
+``contention`` and ``decode_saturation`` are calibrated on the H200 (``CONTENTION``,
+``DECODE_SATURATION``: fitted to run 14's points at 5.5 and 7 req/s and checked on its points at
+8.5, ``benchmarks/twin_agreement.py --mps-fit``); a profile measured elsewhere may set its own.
+The unit is the pod replica, as in ``sim.timeslice``: an encode pod's encode worker and its local
+prefill share the pod's one cap (one process, or one cap for both processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from easerve_runtime.sim.events import EventLoop
+from easerve_runtime.sim.latency import StageModel
+
+CONTENTION = 0.10
+DECODE_SATURATION = 0.40
+MIN_FREE = 0.05
+REF_ITEMS = 4
+REF_TOKENS = 2048
+"""The encode batch and prefill length at which a cap's slowdown is read off the profile."""
+
+
+class MPSSharing:
+    """Which pod replicas have work in flight on which host GPUs, under MPS with per-stage caps."""
+
+    def __init__(self, loop: EventLoop, devices: dict[str, frozenset[int]], caps: Mapping[str, float],
+                 model: StageModel, contention: float | None = None,
+                 decode_saturation: float | None = None) -> None:
+        """``caps``: stage name (``encode``, ``local-prefill``, ``prefill``, ``decode``) -> SM
+        fraction in (0, 1]; a stage not named is uncapped. A pod replica's cap is its stage's (an
+        encode pod's: ``encode``'s, else ``local-prefill``'s)."""
+        self.loop = loop
+        self.devices = devices
+        self.model = model
+        # read at construction (not bound as defaults), so a calibration can set the module's values
+        self.contention = CONTENTION if contention is None else contention
+        self.decode_saturation = DECODE_SATURATION if decode_saturation is None else decode_saturation
+        self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
+        self.busy_until: dict[str, float] = {}
+        self._factor: dict[tuple[str, float], float] = {}
+        self.charged = 0  # dispatches that paid a factor > 1 (for reports)
+        self.dispatches = 0
+
+    def cap(self, proc: str) -> float | None:
+        """Pod replica ``proc``'s SM cap (None: uncapped)."""
+        stage = proc.split("/", 1)[0]
+        if stage == "encode":
+            return self.caps.get("encode", self.caps.get("local-prefill"))
+        return self.caps.get(stage)
+
+    def share_factor(self, work: str, share: float) -> float:
+        """How much longer ``work`` (``encode`` or ``prefill``) takes at SM share ``share`` than on the
+        whole GPU, from the profile's own SM curves."""
+        key = (work, round(share, 4))
+        v = self._factor.get(key)
+        if v is None:
+            if work == "encode":
+                v = self.model.encode_s(REF_ITEMS, share) / self.model.encode_s(REF_ITEMS, 1.0)
+            else:
+                v = self.model.prefill_s(REF_TOKENS, 1, share) / self.model.prefill_s(REF_TOKENS, 1, 1.0)
+            v = self._factor[key] = max(1.0, v)
+        return v
+
+    def dilation(self, proc: str, work: str = "") -> float:
+        """The factor on ``work`` (``encode``, ``prefill`` or ``decode``) that pod replica ``proc``
+        dispatches now."""
+        mine = self.devices.get(proc)
+        if not mine:
+            return 1.0
+        now = self.loop.now
+        others = [p for p, until in self.busy_until.items()
+                  if p != proc and until > now and self.devices.get(p, frozenset()) & mine]
+        other_caps = [c for p in others if (c := self.cap(p)) is not None]
+        cap = self.cap(proc)
+        if cap is None:
+            free = max(MIN_FREE, 1.0 - sum(other_caps))
+            factor = max(1.0, self.decode_saturation / free)
+            # other uncapped (memory-bound) pods in flight split the bandwidth with it
+            factor *= 1 + sum(1 for p in others if self.cap(p) is None)
+        else:
+            total = cap + sum(other_caps)
+            share = cap / total if total > 1.0 else cap
+            factor = self.share_factor("encode" if work == "encode" else "prefill", share)
+        if others:
+            factor *= 1.0 + self.contention
+        self.dispatches += 1
+        if factor > 1.0:
+            self.charged += 1
+        return factor
+
+    def occupy(self, proc: str, until: float) -> None:
+        """Pod replica ``proc`` has work in flight until ``until``."""
+        if proc in self.devices:
+            self.busy_until[proc] = max(until, self.busy_until.get(proc, until))

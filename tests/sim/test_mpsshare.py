@@ -1,0 +1,64 @@
+"""Pods that share a GPU under MPS with per-stage SM caps (``sim.mpsshare``): the twin of
+``easerve serve --mps-share``. A capped stage runs at its share's pace (the profile's SM curves);
+decode, uncapped, is slowed only when the caps in flight leave it less than it needs; any work
+beside another pod's pays the bandwidth contention."""
+
+from __future__ import annotations
+
+import pytest
+from easerve_runtime.sim import mpsshare, simulate_system
+from easerve_runtime.sim.events import EventLoop
+from easerve_runtime.sim.mpsshare import MPSSharing
+from easerve_runtime.workload import generate
+
+ONE_GPU = {"encode/0": frozenset({0}), "prefill/0": frozenset({0}), "decode/0": frozenset({0})}
+
+
+def test_caps_set_each_stages_pace_and_decode_pays_only_for_what_they_leave(toy_model) -> None:
+    loop = EventLoop()
+    caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+    m = MPSSharing(loop, ONE_GPU, caps, toy_model, contention=0.1, decode_saturation=0.4)
+    assert m.cap("encode/0") == 0.85 and m.cap("prefill/0") == 0.85 and m.cap("decode/0") is None
+    assert m.dilation("decode/0", "decode") == 1.0  # alone and uncapped: its own pace
+    alone = m.dilation("prefill/0", "prefill")
+    assert alone == m.share_factor("prefill", 0.85) > 1.0  # capped even when alone
+    m.occupy("prefill/0", 5.0)
+    # one capped pod in flight leaves 15 % of the SMs: decode needs 40 % for its full pace
+    assert m.dilation("decode/0", "decode") == pytest.approx((0.4 / 0.15) * 1.1)
+    m.occupy("encode/0", 5.0)  # two caps in flight (1.7 > 1): decode is left the floor
+    assert m.dilation("decode/0", "decode") == pytest.approx((0.4 / mpsshare.MIN_FREE) * 1.1)
+    m.occupy("decode/0", 5.0)  # an oversubscribed pair splits the SMs in proportion to the caps
+    assert m.dilation("prefill/0", "prefill") == pytest.approx(m.share_factor("prefill", 0.85 / 1.7) * 1.1)
+    assert m.dilation("frontend/0", "") == 1.0  # not on a GPU
+    loop.at(5.0, lambda: None)
+    loop.run()
+    assert m.dilation("decode/0", "decode") == 1.0  # everything in flight ended at 5.0
+
+
+def test_a_wide_cap_leaves_decode_its_pace() -> None:
+    """Caps that leave decode at least what it needs cost it only the contention."""
+    loop = EventLoop()
+    m = MPSSharing(loop, ONE_GPU, {"prefill": 0.5}, model=None, contention=0.1, decode_saturation=0.4)  # type: ignore[arg-type]
+    m.occupy("prefill/0", 1.0)
+    assert m.dilation("decode/0", "decode") == pytest.approx(1.1)
+
+
+def test_the_twin_serves_a_shared_gpu_under_caps_faster_than_time_sliced(llava_spec, toy_model) -> None:
+    reqs = generate(llava_spec, 2.0, 200, seed=11)
+    caps = {"encode": 0.7, "local-prefill": 0.7, "prefill": 0.7}
+    sliced = simulate_system(llava_spec, reqs, "easerve", toy_model, host_gpus=1)
+    capped = simulate_system(llava_spec, reqs, "easerve", toy_model, host_gpus=1, mps_caps=caps)
+    own = simulate_system(llava_spec, reqs, "easerve", toy_model, host_gpus=8, mps_caps=caps)
+    st = capped.stats["mps_sharing"]
+    assert st["caps"] == caps and 0 < st["charged"] <= st["dispatches"] and "time_slicing" not in capped.stats
+    assert len(capped.records) == len(sliced.records) == len(reqs)  # nothing lost
+    assert capped.summary["tpot_mean"] < sliced.summary["tpot_mean"]
+    assert "mps_sharing" not in own.stats  # GPUs of their own: nothing shared, caps or not
+
+
+def test_two_uncapped_decode_pods_split_the_bandwidth() -> None:
+    loop = EventLoop()
+    devices = {"decode/0": frozenset({0}), "decode/1": frozenset({0})}
+    m = MPSSharing(loop, devices, {"prefill": 0.5}, model=None, contention=0.1, decode_saturation=0.4)  # type: ignore[arg-type]
+    m.occupy("decode/1", 1.0)
+    assert m.dilation("decode/0", "decode") == pytest.approx(2 * 1.1)
