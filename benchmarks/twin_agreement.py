@@ -436,6 +436,34 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
             "grid": [{k: g[k] for k in ("contention", "decode_saturation", "fit_error", "held_out_error")} for g in grid]}
 
 
+def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
+    """The capped points, GPU against twin at the fitted constants (fit points and held-out ones)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = (("goodput_moderate", "moderate goodput (req/s)", 1.0), ("tpot_p50", "TPOT p50 (ms)", 1e3),
+            ("ttft_p99", "P99 TTFT (s)", 1.0))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, (key, label, scale) in zip(axes, keys, strict=True):
+        for held, marker, name in ((False, "o", "fit (5.5-7 req/s)"), (True, "x", "held out (8.5 req/s)")):
+            rows = [r for r in fit["points"] if r["held_out"] == held]
+            ax.scatter([r["measured"][key] * scale for r in rows], [(r["twin"][key] or 0.0) * scale for r in rows],
+                       marker=marker, label=name)
+        hi = max(max(r["measured"][key], r["twin"][key] or 0.0) for r in fit["points"]) * scale * 1.1
+        ax.plot([0, hi], [0, hi], color="grey", lw=0.8)
+        ax.set(xlabel=f"GPU: {label}", ylabel=f"twin: {label}", xlim=(0, hi), ylim=(0, hi))
+        ax.grid(alpha=0.3)
+    axes[0].legend(fontsize=8)
+    b = fit["best"]
+    fig.suptitle(f"sim.mpsshare against run 14 (one H200, MPS caps): contention {b['contention']}, "
+                 f"decode saturation {b['decode_saturation']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--measure", action="store_true", help="on the GPU machine: measure the engine profiles")
@@ -455,7 +483,9 @@ def main() -> int:
                         "the rest held out); prints the grid and the best point")
     args = p.parse_args()
     if args.mps_fit:
-        print(json.dumps(mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
+        fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
+        print(json.dumps(fit, indent=1))
+        plot_mps_fit(fit, REPO / "docs" / "img" / "twin_mps_fit_run14.png")
         return 0
     if args.measure or args.measure_path:
         if not args.out:
