@@ -97,8 +97,8 @@ def twin_doc(system: str, tmp: Path, preprocessing: str | None = None) -> dict[s
         doc["spec"].setdefault("encode", {})["preprocessing"] = preprocessing
         cpu = preprocessing == "cpu"
         pfile = ta.merged_profile(tmp, PROFILES[0], PROFILES[1] if cpu and PROFILES[1].exists() else None)
-        return ta.twin_spec_of(system, doc["spec"], pfile)
-    return ta.twin_spec_of(system, doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
+        return ta.twin_spec(doc["spec"], pfile)
+    return ta.twin_spec(doc["spec"], ta.system_profile(system, tmp, PROFILES[0], PROFILES[1]))
 
 
 def predict(system: str, rate: float, requests: int, tmp: Path, host_gpus: int = HOST_GPUS) -> dict[str, Any]:
@@ -143,10 +143,8 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
             bar.update(1)
 
     try:
-        runner: Any = SimRunner(host_gpus=HOST_GPUS)
-        if mps is not None:
-            runner = Unpartitioned(SimRunner(host_gpus=HOST_GPUS, mps_caps=ta.mps_caps_of(f"easerve+mps{mps}")))
-        result = tune(spec, runner=runner, profiler=profiler, space=space, rate=rate,
+        caps = None if mps is None else ta.mps_caps_of(f"easerve+mps{mps}")
+        result = tune(spec, runner=SimRunner(host_gpus=HOST_GPUS, mps_caps=caps), profiler=profiler, space=space, rate=rate,
                       objective=f"goodput@{TIER}", rules=StopRules(budget=trials), seed=seed,
                       workload_seed=ta.BENCH_SEED, requests=requests, on_trial=on_trial)
     finally:
@@ -158,19 +156,6 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
             distinct.setdefault(r.candidate.key(), r)
     ranked = rank(list(distinct.values()), lambda r: r.metrics, Objective.parse(f"goodput@{TIER}"))
     return result, ranked
-
-
-class Unpartitioned:
-    """HAS's trial runner under MPS caps: every trial's encode and local prefill unpartitioned
-    (``space.apply_candidate`` turns the dynamic split on for s < 1, but under MPS the encode
-    process's green contexts are unavailable and the runtime serves unpartitioned, run 14)."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-
-    def run_trial(self, spec: Any, rate: float, requests: int, seed: int) -> Any:
-        part = spec.sm_partition.model_copy(update={"mode": "none"})
-        return self.inner.run_trial(spec.model_copy(update={"sm_partition": part}), rate, requests, seed)
 
 
 def system_of(c: Any, preprocessing: str = "gpu", mps: int | None = None) -> str:

@@ -207,16 +207,6 @@ def mps_caps_of(system: str) -> dict[str, float] | None:
     return None if s.mps is None else {stage: s.mps / 100.0 for stage in MPS_CAPPED}
 
 
-def twin_spec_of(system: str, spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
-    """``twin_spec`` for ``system``: under MPS the encode process's green contexts are unavailable
-    (run 14's logs: 'green contexts unavailable ... prefill unpartitioned'), so a capped system's
-    encode and local prefill share their process unpartitioned, as ``smPartition.mode: none``."""
-    d = twin_spec(spec, pfile)
-    if mps_caps_of(system) is not None:
-        d["smPartition"] = {"mode": "none"}
-    return d
-
-
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
                mps_caps: dict[str, float] | None = None) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
@@ -241,7 +231,7 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
     out: dict[str, Any] = {}
     for system, s in run["systems"].items():
         pfile = system_profile(system, tmp, profile, cpu_pre)
-        spec = parse_spec(twin_spec_of(system, s["spec"], pfile))
+        spec = parse_spec(twin_spec(s["spec"], pfile))
         caps = mps_caps_of(system)
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
@@ -394,7 +384,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
             for system, sy in run.get("systems", {}).items():
                 if mps_caps_of(system) is None:
                     continue
-                spec = parse_spec(twin_spec_of(system, sy["spec"], system_profile(system, tmp, profile, cpu_pre)))
+                spec = parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre)))
                 pts += [(system, spec, p, run.get("host_gpus")) for p in sy.get("points", [])]
         if not pts:
             raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")

@@ -1217,15 +1217,10 @@ class HFDecodeEngine(_Stage):
             self.precapture(float(os.environ.get(PRECAPTURE_ENV, DEFAULT_PRECAPTURE_S)))
 
     def graph_buckets(self) -> list[tuple[int, int]]:
-        """Every (batch bucket, K/V length bucket) a step can use, small batches and short contexts first."""
-        batches, b = [], 1
-        while True:
-            batches.append(min(b, self.slots))
-            if b >= self.slots:
-                break
-            b *= 2
-        lengths = sorted({kv_bucket(n, self.max_len) for n in range(1, self.max_len + 1, KV_BUCKET_STEP // 2)}
-                         | {self.max_len})
+        """Every (batch bucket, K/V length bucket) a step can use, small batches and short contexts
+        first: the images of ``_bucket`` and ``kv_bucket`` (the rules a step picks its graph by)."""
+        batches = sorted({self._bucket(n) for n in range(1, self.slots + 1)})
+        lengths = sorted({kv_bucket(n, self.max_len) for n in range(1, self.max_len + 1)})
         return [(b, k) for b in batches for k in lengths]
 
     def precapture(self, budget_s: float) -> int:
@@ -1236,8 +1231,8 @@ class HFDecodeEngine(_Stage):
 
         if budget_s <= 0 or self.slot_of:
             return 0
-        t0, done = time.perf_counter(), 0
-        for b, kv_len in self.graph_buckets():
+        t0, done, buckets = time.perf_counter(), 0, self.graph_buckets()
+        for b, kv_len in buckets:
             if time.perf_counter() - t0 > budget_s:
                 break
             if (b, kv_len) in self._graphs:
@@ -1252,7 +1247,7 @@ class HFDecodeEngine(_Stage):
         self.stats["precaptured"] = done
         self.stats["precapture_s"] = round(time.perf_counter() - t0, 3)
         log.info("decode: %d CUDA graphs captured at start-up in %.1f s (%d buckets)", done,
-                 self.stats["precapture_s"], len(self.graph_buckets()))
+                 self.stats["precapture_s"], len(buckets))
         return done
 
     def _slots(self, fraction: float, max_slots: int | None, stage: int) -> tuple[int, int]:

@@ -33,6 +33,7 @@ from collections.abc import Mapping
 
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
+from easerve_runtime.sim.timeslice import pod_stage
 
 CONTENTION = 0.10
 DECODE_SATURATION = 0.40
@@ -65,7 +66,7 @@ class MPSSharing:
 
     def cap(self, proc: str) -> float | None:
         """Pod replica ``proc``'s SM cap (None: uncapped)."""
-        stage = proc.split("/", 1)[0]
+        stage = pod_stage(proc)
         if stage == "encode":
             return self.caps.get("encode", self.caps.get("local-prefill"))
         return self.caps.get(stage)

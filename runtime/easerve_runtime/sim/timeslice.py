@@ -45,6 +45,11 @@ def pod_key(stage: str, replica: int) -> str:
     return f"{stage}/{replica}"
 
 
+def pod_stage(key: str) -> str:
+    """The stage of pod replica ``key`` (``pod_key``'s inverse, stage part)."""
+    return key.split("/", 1)[0]
+
+
 def placement(topo: Topology, host_gpus: int | None) -> dict[str, frozenset[int]]:
     """Per pod replica (``pod_key``), the host GPUs its processes run on; empty when ``host_gpus`` is
     None or when no GPU is used by two pod replicas."""

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from easerve_runtime.api import EPDDeploymentSpec, SpecError, Stage
+from easerve_runtime.api import EPDDeploymentSpec, PartitionMode, SpecError, Stage
 from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.post_encode import PostEncodeRouter
 from easerve_runtime.policies.router import LeastOutstanding
@@ -70,7 +70,8 @@ def run_pipeline(
     ``frontends``: that many frontends admit the requests as the live ones do (``sim.frontdoor``:
     refused requests fail with the 429 reason); 0 (the default): every request is admitted.
     ``mps_caps`` (stage -> SM fraction): the processes that share a GPU run under MPS with these
-    caps (``sim.mpsshare``) instead of time-slicing it.
+    caps (``sim.mpsshare``) instead of time-slicing it, each encode pod's encode and local prefill
+    unpartitioned (``smPartition.mode`` none), as the runtime serves them under MPS.
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -108,7 +109,13 @@ def run_pipeline(
         sliced(PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff, token_budget=budget), key)
         for i, (p, key) in enumerate(zip(each(Stage.PREFILL), keys(Stage.PREFILL), strict=True))
     ]
-    shares = ShareModel(spec, model, spec.has_local_prefill)
+    split_spec = spec
+    if isinstance(ts, MPSSharing):
+        # under MPS the encode process's green contexts are unavailable and the runtime serves its
+        # encode and local prefill unpartitioned (run 14's logs): the split policy of mode none
+        split_spec = spec.model_copy(update={"sm_partition": spec.sm_partition.model_copy(
+            update={"mode": PartitionMode.NONE})})
+    shares = ShareModel(split_spec, model, spec.has_local_prefill)
     reasons: dict[str, int] = {}
     encoders: list[EncodeWorker] = []
     locals_: list[PrefillWorker] = []
