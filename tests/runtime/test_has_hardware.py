@@ -113,6 +113,26 @@ def test_the_pick_as_the_best_measured_meets_the_bar(tmp_path: Path) -> None:
     assert v["ratio"] == 1.0 and v["meets_bar"] is True and v["complete"] is True
 
 
+def test_every_baseline_measured_at_the_rate_is_in_the_sweep(tmp_path: Path) -> None:
+    """A Dynamo-style system measured under other SM caps than the plan names is a point of the
+    baselines' sweep: the pick is held to it too, and the verdict says it was added."""
+    plan = {"rate": 7.0, "pick": "easerve:e1p0d1:b7:s0+mps85",
+            "groups": {"has": ["easerve:e1p0d1:b7:s0+mps85"], "baselines": ["dynamo-style:e1p1d1+mps85"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    f = tmp_path / "has_hardware_h200_a.json"
+    f.write_text(json.dumps({"host_gpus": 1, "systems": {
+        "easerve:e1p0d1:b7:s0+mps85": {"points": [pt(7.0, 5.0)]},
+        "dynamo-style:e1p1d1+mps85": {"points": [pt(7.0, 3.0)]},
+        "dynamo-style:e1p1d1+mps50": {"points": [pt(7.0, 6.0), pt(5.5, 9.0)]},
+        "easerve:e1p1d1:b6:s0.5+mps70": {"points": [pt(7.0, 8.0)]},  # not a baseline, not in the plan
+    }}))
+    v = has_hardware.summary(tmp_path / "plan.json", [f])["rates"]["7"]
+    assert v["sweep_extra"] == ["dynamo-style:e1p1d1+mps50"]
+    assert v["best"] == "dynamo-style:e1p1d1+mps50" and v["ratio"] == round(5.0 / 6.0, 4)
+    assert v["meets_bar"] is False and v["complete"] is True
+    assert "easerve:e1p1d1:b6:s0.5+mps70" not in v["systems"]
+
+
 def test_a_point_measured_twice_is_refused(tmp_path: Path) -> None:
     for part in "ab":
         (tmp_path / f"has_hardware_h200_{part}.json").write_text(json.dumps(
