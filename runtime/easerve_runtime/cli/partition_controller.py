@@ -46,7 +46,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gamma", type=float, default=0.4, help="EWMA weight of the NVML signal")
     parser.add_argument("--static-sms", type=int, help="primary SMs (static)")
     parser.add_argument("--total-sms", type=int, help="SM count (default: from the GPU)")
-    parser.add_argument("--tick-ms", type=float, default=0.5)
+    parser.add_argument("--tick-ms", type=float, default=0.5,
+                        help="poll period when polling (--poll, or no wake-up socket), and the decision "
+                        "period of the bandwidth throttle while a tenant runs")
+    parser.add_argument("--poll", action="store_true",
+                        help="poll the demand records every tick instead of sleeping until a tenant pokes "
+                        "(partition/wake.py)")
     parser.add_argument("--sample-ms", type=float, default=20.0, help="NVML sampling period")
     parser.add_argument("--no-gpm", action="store_true", help="use utilization.memory even where GPM works")
     parser.add_argument("--shm-dir", type=Path, default=Path("/dev/shm"))
@@ -146,6 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from easerve_runtime.partition.controller import ControllerCore, run_loop
     from easerve_runtime.partition.nvml_signal import MemoryActivitySampler, NvmlUnavailable
     from easerve_runtime.partition.record import ControlRecordFile, DemandFile, control_path, demand_path
+    from easerve_runtime.partition.wake import WakeListener, wake_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("partition-controller")
@@ -190,7 +196,9 @@ def run(args: argparse.Namespace) -> int:
     stopping = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stopping.update(flag=True))
     end = time.monotonic() + args.duration if args.duration > 0 else float("inf")
-    log.info("policy %s on GPU %d (%d SMs) -> %s", args.policy, args.gpu, total, control.path)
+    listener = None if args.poll else WakeListener.bind(wake_path(control.path))
+    log.info("policy %s on GPU %d (%d SMs) -> %s (%s)", args.policy, args.gpu, total, control.path,
+             f"woken by the tenants at {listener.path}" if listener else f"polling every {args.tick_ms} ms")
     ticks = run_loop(
         core,
         control,
@@ -200,6 +208,10 @@ def run(args: argparse.Namespace) -> int:
         tick_s=args.tick_ms / 1e3,
         sample_period_s=args.sample_ms / 1e3,
         stop=lambda: stopping["flag"] or time.monotonic() >= end,
+        wake=listener.wait if listener else None,
+        idle_wait_s=min(0.1, args.duration) if args.duration > 0 else 0.1,
     )
-    log.info("stopped after %d ticks", ticks)
+    if listener is not None:
+        listener.close()
+    log.info("stopped after %d decisions", ticks)
     return 0

@@ -94,8 +94,16 @@ def run_loop(
     sample_period_s: float = 0.02,
     stop: Callable[[], bool] = lambda: False,
     clock: Callable[[], float] = time.monotonic,
+    wake: Callable[[float], bool] | None = None,
+    idle_wait_s: float = 0.1,
 ) -> int:
-    """Tick until ``stop()``; write only when the decision or signal changes. Returns ticks run."""
+    """Decide until ``stop()``; write only when the decision or signal changes. Returns ticks run.
+
+    Without ``wake`` it polls the demand records every ``tick_s``. With ``wake`` (``wake.py``: the
+    tenants poke after each demand write) it sleeps until poked, so an idle GPU costs no CPU and a
+    demand is answered as soon as it is written: ``wake(timeout)`` is called with ``idle_wait_s``,
+    shortened to the next NVML sample, and with ``tick_s`` while a tenant runs under a policy that
+    changes with time rather than demand (the bandwidth throttle follows its signal)."""
     idle = Demand(batch=0, active=False)
     last: tuple[int, int, int, bool] | None = None
     next_sample = clock()
@@ -116,5 +124,11 @@ def run_loop(
             control.write(rec)
             last = key
         ticks += 1
-        time.sleep(tick_s)
+        if wake is None:
+            time.sleep(tick_s)
+            continue
+        timeout = tick_s if core.throttle is not None and (p.active or q.active) else idle_wait_s
+        if sample is not None:
+            timeout = min(timeout, max(0.0, next_sample - clock()))
+        wake(timeout)
     return ticks

@@ -10,9 +10,10 @@ the current split; after the call they mark themselves idle. Reads are seqlock c
 Until the controller has published a record (or when none runs, e.g. ``easerve serve`` without
 a GPU) the share is 1.0: the worker behaves as if it owned the GPU.
 
-The controller reacts to a demand within a tick (0.5 ms), so an encoder that announces a batch
-waits, briefly and bounded (``SETTLE_S``), for a record that answers its batch (the record echoes
-``primary_batch``). An encoder still granted no SMs after that (the controller lags, hangs or died
+Each demand write is followed by a wake-up datagram to the controller (``partition/wake.py``), which
+sleeps until one comes and answers at once (a controller that cannot bind its socket polls every
+0.5 ms instead). An encoder that announces a batch waits, briefly and bounded (``SETTLE_S``), for a
+record that answers its batch (the record echoes ``primary_batch``). An encoder still granted no SMs after that (the controller lags, hangs or died
 and left its idle split, where encode gets 0 SMs) runs on the whole GPU rather than on one SM:
 contention is slower than isolation, but starving the encoder stops serving.
 
@@ -40,11 +41,12 @@ from easerve_runtime.partition.record import (
     control_path,
     demand_path,
 )
+from easerve_runtime.partition.wake import WakeSender, wake_path
 
 log = logging.getLogger("easerve.partition")
 
 SETTLE_S = 0.003
-"""Longest an encoder waits for the controller to answer its batch (six controller ticks)."""
+"""Longest an encoder waits for the controller to answer its batch (six polling ticks)."""
 PARTNER_WAIT_S = 2.0
 """Longest a partner waits for SMs while its encoder runs a micro-batch before it takes the whole GPU."""
 PARTNER_POLL_S = 0.0005
@@ -57,10 +59,16 @@ class PartitionLink:
         self.role = role
         self.demand = DemandFile(demand_path(gpu, role, shm_dir), writer=True)
         self.control_path = control_path(gpu, shm_dir)
+        self._wake = WakeSender(wake_path(self.control_path))
         self._control: ControlRecordFile | None = None
         self.last: ControlRecord | None = None
         self.settle_s = settle_s
         self.ungranted = 0  # calls that found no SMs granted and fell back to the whole GPU
+
+    def _announce(self, batch: int, active: bool) -> None:
+        """Write the demand, then wake the controller so it answers now rather than at a poll."""
+        self.demand.write(max(0, batch), active)
+        self._wake.poke()
 
     def _read(self) -> ControlRecord | None:
         if self._control is None:
@@ -79,7 +87,7 @@ class PartitionLink:
 
     def share(self, batch: int) -> float:
         """Announce a batch of ``batch`` and return this tenant's SM fraction in (0, 1]."""
-        self.demand.write(max(0, batch), True)
+        self._announce(batch, True)
         rec = self._read()
         if self.role == "primary" and batch > 0 and rec is not None and rec.seq:
             deadline = time.monotonic() + self.settle_s
@@ -103,7 +111,7 @@ class PartitionLink:
     async def granted(self, batch: int, max_wait_s: float = PARTNER_WAIT_S) -> float:
         """The partner's share for a batch: waits (without blocking the event loop) while the split
         grants it no SMs, at most ``max_wait_s``; then ``share``'s whole-GPU fallback."""
-        self.demand.write(max(0, batch), True)
+        self._announce(batch, True)
         deadline = time.monotonic() + max_wait_s
         while True:
             rec = self._read()
@@ -115,10 +123,11 @@ class PartitionLink:
         return self.share(batch)
 
     def idle(self) -> None:
-        self.demand.write(0, False)
+        self._announce(0, False)
 
     def close(self) -> None:
         self.demand.close()
+        self._wake.close()
         if self._control is not None:
             self._control.close()
 
