@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serve  # noqa: E402
-from gpu_systems import base_of  # noqa: E402
+from gpu_systems import base_of, mean_of_repeats  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -48,7 +48,8 @@ PATTERNS = ("gpu_serve_h200_run*_300req.json", "has_hardware_h200_run*.json")
 
 
 def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]]:
-    """The parts of ``run`` (default: the newest run with 300-request points)."""
+    """The parts of ``run`` (default: the newest run with 300-request points); ``run14,run15``
+    merges the parts of several runs of the same code and setup."""
     found: dict[str, list[Path]] = {}
     for f in sorted(f for pat in PATTERNS for f in glob.glob(str(results / pat))):
         m = _RUN.search(f)
@@ -57,14 +58,16 @@ def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]
     if not found:
         raise SystemExit(f"no {' or '.join(PATTERNS)} under {results}")
     name = run or max(found, key=lambda r: int(r[3:]))
-    if name not in found:
-        raise SystemExit(f"--run {name}: runs on record are {', '.join(sorted(found))}")
-    return name, found[name]
+    missing = [r for r in name.split(",") if r not in found]
+    if missing:
+        raise SystemExit(f"--run {','.join(missing)}: runs on record are {', '.join(sorted(found))}")
+    return name, [f for r in name.split(",") for f in found[r]]
 
 
 def merge(run: str, files: list[Path]) -> dict[str, Any]:
-    """One summary over the parts of a run: every system's points, whichever part measured them."""
-    points: dict[str, dict[float, dict[str, Any]]] = {}
+    """One summary over the parts of a run: every system's points, whichever part measured them; a
+    point measured in several parts is the mean of its repeats (``gpu_systems.mean_of_repeats``)."""
+    repeats: dict[str, dict[float, list[dict[str, Any]]]] = {}
     parts: dict[str, list[str]] = {}
     meta: dict[str, Any] = {"run": run, "files": [str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
                                                   for f in files]}
@@ -74,12 +77,15 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
             meta.setdefault(k, res.get(k))
         for name, s in res.get("systems", {}).items():
             for p in s.get("points", []):
-                if p["rate"] in points.setdefault(name, {}):
-                    raise SystemExit(f"{name} at {p['rate']} req/s appears in two parts of {run}")
-                points[name][p["rate"]] = p
+                repeats.setdefault(name, {}).setdefault(p["rate"], []).append({**p, "file": f.name})
                 parts.setdefault(name, []).append(f"{f.name}@{p['rate']}")
+    points = {n: {r: mean_of_repeats(ps) for r, ps in by_rate.items()} for n, by_rate in repeats.items()}
     merged = {"systems": {n: {"points": list(ps.values())} for n, ps in points.items() if ps}}
     systems = {n: s | {"parts": parts[n]} for n, s in gpu_serve.summarize([merged])["runs"][0]["systems"].items()}
+    for n, by_rate in points.items():  # each repeat's moderate goodput beside the mean
+        reps = {str(r): [x["goodput_moderate"] for x in p["repeats"]] for r, p in by_rate.items() if "repeats" in p}
+        if reps:
+            systems[n]["repeats_moderate"] = reps
     rates = sorted({float(r) for s in systems.values() for r in s["throughput"]})
     out: dict[str, Any] = meta | {"rates": rates, "systems": systems}
     ours = [n for n in systems if base_of(n) in EASERVE]  # its fixed layouts and points of HAS's space
@@ -144,7 +150,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summary", action="store_true", help="merge the committed parts of one run; no GPU")
-    ap.add_argument("--run", default=None, help="which run (runN); default the newest")
+    ap.add_argument("--run", default=None, help="which run (runN, or runN,runM to merge runs of the same code); default the newest")
     ap.add_argument("--plot", default=None, help="with --summary: write the goodput-per-tier plot here")
     ap.add_argument("--results", default=str(RESULTS), help="with --summary: where the runs' JSON files are")
     args, rest = ap.parse_known_args(argv)

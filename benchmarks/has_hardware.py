@@ -57,7 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serve  # noqa: E402
 import twin_agreement as ta  # noqa: E402
-from gpu_systems import base_of, point  # noqa: E402
+from gpu_systems import base_of, mean_of_repeats, point  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -210,16 +210,18 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
 # ------------------------------------------------------------------ the GPU's side
 def measured_points(files: list[Path]) -> dict[tuple[str, float], dict[str, Any]]:
     """Every (system, rate) point of the result files, with the file's host and its name; a point
-    measured twice is refused (which one counts would be a choice the verdict must not make)."""
-    out: dict[tuple[str, float], dict[str, Any]] = {}
+    measured more than once is the mean of its repeats (``gpu_systems.mean_of_repeats``: which
+    one counts would be a choice the verdict must not make), each repeat listed."""
+    reps: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for f in files:
         res = json.loads(f.read_text())
         for name, s in res.get("systems", {}).items():
             for p in s.get("points", []):
-                key = (name, float(p["rate"]))
-                if key in out:
-                    raise SystemExit(f"{name} at {p['rate']} req/s is in {out[key]['file']} and {f.name}")
-                out[key] = {**p, "file": f.name, "host_gpus": res.get("host_gpus")}
+                reps.setdefault((name, float(p["rate"])), []).append({**p, "file": f.name, "host_gpus": res.get("host_gpus")})
+    out = {k: mean_of_repeats(ps) for k, ps in reps.items()}
+    for p in out.values():
+        if "repeats" in p:
+            p["file"] = ",".join(r["file"] for r in p["repeats"])
     return out
 
 
@@ -288,7 +290,8 @@ def verdict(pl: dict[str, Any], points: dict[tuple[str, float], dict[str, Any]],
                 continue
             rows[s] = {"measured": round(gpu_serve.goodput_of(p, TIER), 4),
                        "twin": predict(s, rate, int(p["requests"]), tmp, int(p.get("host_gpus") or HOST_GPUS))["goodput"],
-                       "role": "has" if s in pl["groups"]["has"] else base_of(s)}
+                       "role": "has" if s in pl["groups"]["has"] else base_of(s),
+                       **({"repeats": [r["goodput_moderate"] for r in p["repeats"]]} if "repeats" in p else {})}
         best = max(rows, key=lambda s: rows[s]["measured"])
         mine, top = rows[pl["pick"]]["measured"], rows[best]["measured"]
         ratio = mine / top if top > 0 else None

@@ -80,3 +80,22 @@ def test_a_baselines_configurations_count_as_its_sweep_and_the_best_one_is_compa
     assert sw["best_over_rates"] == "aggregated@4096"  # 2.0 beats 1.9
     assert s["ratios"]["per_rate easerve/aggregated"] == {"2.0": round(1.8 / 1.9, 2), "4.0": 1.5}
     assert s["ratios"]["best_over_rates easerve/aggregated"] == 1.5
+
+
+def test_repeats_count_as_their_mean_and_runs_merge(tmp_path: Path) -> None:
+    """A point measured in two runs (run 15 repeated run 14's at 7 req/s) is their mean, each
+    repeat listed; ``--run run41,run42`` merges both runs' parts."""
+    (tmp_path / "gpu_serve_h200_run41_300req.json").write_text(json.dumps({"systems": {
+        "easerve": {"points": [point(7.0, 6.7)]},
+        "dynamo-style": {"points": [point(7.0, 6.4)]},
+    }}))
+    (tmp_path / "gpu_serve_h200_run42_300req.json").write_text(json.dumps({"systems": {
+        "easerve": {"points": [point(7.0, 5.5), point(8.5, 4.0)]},
+    }}))
+    s = summary("--results", str(tmp_path), "--run", "run41,run42")
+    e = s["systems"]["easerve"]
+    assert e["goodput"]["moderate"] == {"7.0": round((6.7 + 5.5) / 2, 3), "8.5": 4.0}
+    assert e["repeats_moderate"] == {"7.0": [6.7, 5.5]}
+    assert s["ratios"]["per_rate easerve/dynamo-style"] == {"7.0": round(6.1 / 6.4, 2)}
+    assert "repeats_moderate" not in s["systems"]["dynamo-style"]
+    assert summary("--results", str(tmp_path), "--run", "run42")["systems"]["easerve"]["goodput"]["moderate"]["7.0"] == 5.5

@@ -133,12 +133,14 @@ def test_every_baseline_measured_at_the_rate_is_in_the_sweep(tmp_path: Path) -> 
     assert "easerve:e1p1d1:b6:s0.5+mps70" not in v["systems"]
 
 
-def test_a_point_measured_twice_is_refused(tmp_path: Path) -> None:
-    for part in "ab":
+def test_a_point_measured_twice_counts_as_the_mean_of_its_repeats(tmp_path: Path) -> None:
+    for part, g in (("a", 2.0), ("b", 3.0)):
         (tmp_path / f"has_hardware_h200_{part}.json").write_text(json.dumps(
-            {"systems": {"dynamo-style:e1p1d1": {"points": [pt(3.5, 2.0)]}}}))
-    with pytest.raises(SystemExit, match="dynamo-style:e1p1d1 at 3.5"):
-        has_hardware.measured_points(sorted(tmp_path.glob("*.json")))
+            {"systems": {"dynamo-style:e1p1d1": {"points": [pt(3.5, g) | {"ttft_p99": 2 * g}]}}}))
+    p = has_hardware.measured_points(sorted(tmp_path.glob("*.json")))[("dynamo-style:e1p1d1", 3.5)]
+    assert p["goodput"] == {"moderate": 2.5, "strict": 0.0} and p["ttft_p99"] == 5.0 and p["rate"] == 3.5
+    assert [r["goodput_moderate"] for r in p["repeats"]] == [2.0, 3.0]
+    assert p["file"] == "has_hardware_h200_a.json,has_hardware_h200_b.json"
 
 
 def test_deploy_skips_what_is_measured_and_what_does_not_fit(tmp_path: Path) -> None:
