@@ -4,7 +4,7 @@ Why: the controller used to poll the tenants' demand records every tick (0.5 ms)
 wake-ups a second per encode GPU whether or not anything happens: 8.5 % of a core per idle
 controller on the 2-core CI host, and on the local cluster a 6-encode-pod trial ran six of them
 beside its workers. Polling also reacts late exactly when it matters, since a loaded host delays
-every tick. Now a tenant, after writing its demand record, sends one empty datagram to
+every tick. Now a tenant, after writing its demand record, sends a one-byte datagram to
 ``easerve-partition-gpuN.wake`` in the same directory as the records (an ``emptyDir`` the pod's
 containers share, like the records); the controller blocks on that socket and answers the demand
 at once. The records stay the source of truth: a datagram carries nothing, several collapse into
