@@ -107,16 +107,22 @@ async def run_load(
     on_start: Callable[[float], None] | None = None,
     image_format: str = "png",
     ignore_eos: bool = False,
+    connection_per_request: bool = False,
 ) -> tuple[list[Outcome], float]:
     """Send every request at its ``arrival_s`` (seconds from start); return outcomes and duration.
 
     Each request has its own ``timeout_s`` (and a read-silence limit), counted as a failure when
     it expires, so the run ends even if the server stops answering.
+
+    By default the requests share one client's keep-alive pool: a request reuses whichever
+    connection is free, so behind a Service that deals *connections* across pods (kube-proxy) the
+    requests are not dealt one by one. ``connection_per_request`` opens a connection for each, as
+    independent users would: the Service then deals the requests themselves.
     """
     url = url.rstrip("/")
     timeout = aiohttp.ClientTimeout(total=timeout_s, sock_read=min(timeout_s, READ_TIMEOUT_S))
     async with aiohttp.ClientSession(
-        connector=aiohttp.TCPConnector(limit=0), timeout=timeout, headers=headers
+        connector=aiohttp.TCPConnector(limit=0, force_close=connection_per_request), timeout=timeout, headers=headers
     ) as session:
         if model is None:
             model = await fetch_model(session, url)

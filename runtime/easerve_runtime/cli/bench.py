@@ -42,6 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="Model name (default: the server's /v1/models).")
     parser.add_argument("--json", action="store_true", help="Print the report as JSON only.")
     parser.add_argument(
+        "--connection-per-request", action="store_true",
+        help="Open a connection per request (independent users) instead of reusing a keep-alive pool; "
+        "behind a Service that balances connections, this deals the requests themselves across its pods.",
+    )
+    parser.add_argument(
         "--timeout", type=float, default=600.0, help="Per-request limit, seconds; expired requests count as failed."
     )
 
@@ -133,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         load = run_load(args.url, reqs, args.model, on_done, timeout_s=args.timeout, image_format=args.image_format,
-                        ignore_eos=args.ignore_eos)
+                        ignore_eos=args.ignore_eos, connection_per_request=args.connection_per_request)
         outcomes, duration = asyncio.run(load)
         finished_at = time.time()
     except OSError as exc:

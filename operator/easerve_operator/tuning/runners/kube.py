@@ -265,7 +265,9 @@ def render_load(
     name = f"{trial_name(deployment, n)}-load"
     data = {"manifest.yaml": json.dumps(manifest_for(deployment, spec))}  # JSON is YAML
     args = ["easerve", "bench", "--url", url, "--rate", f"{rate:g}", "--requests", str(requests)]
-    args += ["--seed", str(seed), "--spec", f"{LOAD_MOUNT}/manifest.yaml", "--json"]
+    # a connection per request: the trial's Service then deals requests across its frontends one
+    # by one, as the twin's front door does (``sim.frontdoor``), not a keep-alive pool's connections
+    args += ["--seed", str(seed), "--spec", f"{LOAD_MOUNT}/manifest.yaml", "--json", "--connection-per-request"]
     if trace is not None:
         data["trace.jsonl"] = trace
         args += ["--trace", f"{LOAD_MOUNT}/trace.jsonl"]

@@ -1,0 +1,64 @@
+"""``easerve bench --connection-per-request``: one TCP connection per request, so a Service that
+balances connections (kube-proxy, the harness's) deals the requests themselves across its pods, as
+the twin's front door does. Against a real HTTP server that records each request's client port."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+from aiohttp import web
+from easerve_runtime.api import load_manifest
+from easerve_runtime.bench.load import run_load
+from easerve_runtime.workload import generate
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llava-v1.6-34b.yaml"
+
+
+async def serve_and_load(per_request: bool, n: int) -> tuple[list[int], int]:
+    """Client ports of the chat requests, in order, and how many succeeded."""
+    ports: list[int] = []
+
+    async def models(request: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        ports.append(request.transport.get_extra_info("peername")[1])
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for tok in (1, 2):
+            chunk = {"choices": [{"delta": {"content": "x"}}], "easerve": {"token_id": tok}}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    _, spec = load_manifest(str(EXAMPLE))
+    # one after another (0.2 s apart), so a kept-alive connection is free for the next request
+    reqs = [replace(r, arrival_s=0.2 * i) for i, r in enumerate(generate(spec, 1.0, n, 3))]
+    try:
+        outs, _ = await run_load(f"http://127.0.0.1:{port}", reqs, connection_per_request=per_request)
+    finally:
+        await runner.cleanup()
+    return ports, sum(1 for o in outs if o.record.error is None)
+
+
+def test_a_connection_per_request_and_a_kept_alive_pool() -> None:
+    n = 5
+    ports, ok = asyncio.run(serve_and_load(True, n))
+    assert ok == n and len(ports) == n
+    assert len(set(ports)) == n  # every request on a connection of its own
+    pooled, ok = asyncio.run(serve_and_load(False, n))
+    assert ok == n and len(pooled) == n
+    assert len(set(pooled)) < n  # the pool reused a connection: a Service would not deal these one by one
