@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serve  # noqa: E402
-from gpu_systems import base_of, mean_of_repeats  # noqa: E402
+from gpu_systems import base_of  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -66,7 +66,7 @@ def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]
 
 def merge(run: str, files: list[Path]) -> dict[str, Any]:
     """One summary over the parts of a run: every system's points, whichever part measured them; a
-    point measured in several parts is the mean of its repeats (``gpu_systems.mean_of_repeats``)."""
+    point measured in several parts is the mean of its repeats (``gpu_serve.mean_of_repeats``)."""
     repeats: dict[str, dict[float, list[dict[str, Any]]]] = {}
     parts: dict[str, list[str]] = {}
     meta: dict[str, Any] = {"run": run, "files": [str(f.relative_to(REPO)) if f.is_relative_to(REPO) else str(f)
@@ -79,7 +79,7 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
             for p in s.get("points", []):
                 repeats.setdefault(name, {}).setdefault(p["rate"], []).append({**p, "file": f.name})
                 parts.setdefault(name, []).append(f"{f.name}@{p['rate']}")
-    points = {n: {r: mean_of_repeats(ps) for r, ps in by_rate.items()} for n, by_rate in repeats.items()}
+    points = {n: {r: gpu_serve.mean_of_repeats(ps) for r, ps in by_rate.items()} for n, by_rate in repeats.items()}
     merged = {"systems": {n: {"points": list(ps.values())} for n, ps in points.items() if ps}}
     systems = {n: s | {"parts": parts[n]} for n, s in gpu_serve.summarize([merged])["runs"][0]["systems"].items()}
     for n, by_rate in points.items():  # each repeat's moderate goodput beside the mean

@@ -265,28 +265,3 @@ def base_of(system: str) -> str:
     """The base of a name without checking it (names in old result files may predate the grammar)."""
     return re.split(r"[@:]", system, maxsplit=1)[0]
 
-
-def mean_of_repeats(points: list[dict[str, Any]]) -> dict[str, Any]:
-    """One point from a point measured more than once (same system, same rate): every figure the
-    summaries read (goodput per tier, throughput, TTFT and TPOT) is the mean over the repeats, and
-    ``repeats`` keeps each one's moderate-tier goodput and where it came from.
-
-    Why the mean and not a pick: run 15 repeated points at 7 and 8.5 req/s on one H200 and the
-    same system moved from 5.51 to 6.52 req/s at 7, and by 3x at 8.5 (past saturation); keeping
-    either alone would be a choice, refusing both would drop what was measured."""
-    if len(points) == 1:
-        return points[0]
-    out = dict(points[0])
-    for k, v in points[0].items():
-        if k == "rate":
-            continue
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
-                isinstance(p.get(k), (int, float)) for p in points):
-            out[k] = sum(float(p[k]) for p in points) / len(points)
-        elif isinstance(v, dict) and all(isinstance(x, (int, float)) for x in v.values()) and all(
-                isinstance(p.get(k), dict) for p in points):
-            keys = set().union(*(p[k] for p in points))
-            out[k] = {t: sum(float(p[k].get(t, 0.0)) for p in points) / len(points) for t in sorted(keys)}
-    out["repeats"] = [{"file": p.get("file"), "goodput_moderate": (p.get("goodput") or {}).get("moderate")}
-                      for p in points]
-    return out

@@ -57,7 +57,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import gpu_serve  # noqa: E402
 import twin_agreement as ta  # noqa: E402
-from gpu_systems import base_of, mean_of_repeats, point  # noqa: E402
+from gpu_systems import base_of, point  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
@@ -210,7 +210,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
 # ------------------------------------------------------------------ the GPU's side
 def measured_points(files: list[Path]) -> dict[tuple[str, float], dict[str, Any]]:
     """Every (system, rate) point of the result files, with the file's host and its name; a point
-    measured more than once is the mean of its repeats (``gpu_systems.mean_of_repeats``: which
+    measured more than once is the mean of its repeats (``gpu_serve.mean_of_repeats``: which
     one counts would be a choice the verdict must not make), each repeat listed."""
     reps: dict[tuple[str, float], list[dict[str, Any]]] = {}
     for f in files:
@@ -218,7 +218,7 @@ def measured_points(files: list[Path]) -> dict[tuple[str, float], dict[str, Any]
         for name, s in res.get("systems", {}).items():
             for p in s.get("points", []):
                 reps.setdefault((name, float(p["rate"])), []).append({**p, "file": f.name, "host_gpus": res.get("host_gpus")})
-    out = {k: mean_of_repeats(ps) for k, ps in reps.items()}
+    out = {k: gpu_serve.mean_of_repeats(ps) for k, ps in reps.items()}
     for p in out.values():
         if "repeats" in p:
             p["file"] = ",".join(r["file"] for r in p["repeats"])
