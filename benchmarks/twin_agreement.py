@@ -361,73 +361,99 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
-MPS_GRID = {"contention": (0.0, 0.1, 0.15, 0.2, 0.3, 0.5), "decode_saturation": (0.1, 0.2, 0.3, 0.4, 0.5)}
+MPS_GRID = {"contention": (0.1, 0.2, 0.3), "decode_corun": (0.0, 0.3, 0.5, 0.7, 0.9),
+            "decode_saturation": (0.05, 0.25, 0.4)}
 MPS_FIT_MAX_RATE = 7.0
-"""``--mps-fit`` fits ``sim.mpsshare``'s two constants on the capped points at or below this rate
-and reports the points above it as held out (run 14: fitted on 5.5 and 7 req/s, checked at 8.5)."""
+"""``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
+reports the points above it as held out (runs 14-15: fitted on 5.5 and 7 req/s, checked at 8.5,
+past the one H200's saturation, where repeats of one point moved 3x)."""
+MPS_KEYS = ("contention", "decode_corun", "decode_saturation")
+
+
+def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[tuple[str, Any, dict[str, Any], int | None]]:
+    """The ``+mpsNN`` points of the runs, one per (system, rate): a point measured more than once is
+    the mean of its repeats (``gpu_serve.mean_of_repeats``), so a repeat neither counts twice nor
+    is dropped."""
+    from easerve_runtime.api import parse_spec
+    from gpu_serve import mean_of_repeats
+
+    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    specs: dict[str, tuple[Any, int | None]] = {}
+    for f in sorted(glob.glob(runs_glob)):
+        run = json.loads(Path(f).read_text())
+        for system, sy in run.get("systems", {}).items():
+            if mps_caps_of(system) is None:
+                continue
+            if system not in specs:
+                specs[system] = (parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre))),
+                                 run.get("host_gpus"))
+            for p in sy.get("points", []):
+                groups.setdefault((system, float(p["rate"])), []).append({**p, "file": Path(f).name})
+    return [(system, specs[system][0], mean_of_repeats(ps), specs[system][1])
+            for (system, _), ps in sorted(groups.items())]
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
-    """Calibrate ``sim.mpsshare`` (``CONTENTION``, ``DECODE_SATURATION``) on the ``+mpsNN`` points of
-    the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
-    p50 and P99 TTFT at the fit points; the held-out points' errors at that grid point beside it."""
+    """Calibrate ``sim.mpsshare`` (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) on the
+    ``+mpsNN`` points of the runs: the grid point with the least mean |log(twin / GPU)| over
+    moderate-tier goodput, TPOT p50 and P99 TTFT at the fit points; the held-out points' errors at
+    that grid point beside it."""
+    import itertools
     import math
 
-    from easerve_runtime.api import parse_spec
     from easerve_runtime.sim import mpsshare
 
-    pts: list[tuple[str, Any, dict[str, Any], int | None]] = []
     with tempfile.TemporaryDirectory() as t:
-        tmp = Path(t)
-        for f in sorted(glob.glob(runs_glob)):
-            run = json.loads(Path(f).read_text())
-            for system, sy in run.get("systems", {}).items():
-                if mps_caps_of(system) is None:
-                    continue
-                spec = parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre)))
-                pts += [(system, spec, p, run.get("host_gpus")) for p in sy.get("points", [])]
+        pts = mps_points(profile, cpu_pre, runs_glob, Path(t))
         if not pts:
             raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
 
-        def errors(c: float, f: float) -> list[dict[str, Any]]:
-            mpsshare.CONTENTION, mpsshare.DECODE_SATURATION = c, f
+        def errors(values: tuple[float, ...]) -> list[dict[str, Any]]:
+            mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION = values
             rows = []
             for system, spec, p, host in pts:
                 res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system))
                 meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
-                        "ttft_p99": p["ttft"]["p99"]}
+                        "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
                 twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
-                        "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99")}
-                err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3))) for k in meas}
+                        "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
+                        "throughput": res.get("throughput")}
+                err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
+                       for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
                 rows.append({"system": system, "rate": p["rate"], "held_out": p["rate"] > MPS_FIT_MAX_RATE,
-                             "measured": meas, "twin": twin, "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
+                             "repeats": len(p.get("repeats", [])) or 1, "measured": meas, "twin": twin,
+                             "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
             return rows
 
         def score(rows: list[dict[str, Any]], held_out: bool) -> float:
             sel = [r for r in rows if r["held_out"] == held_out]
             return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
-        saved = (mpsshare.CONTENTION, mpsshare.DECODE_SATURATION)
+        saved = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
         grid = []
         try:
-            for c in MPS_GRID["contention"]:
-                for f in MPS_GRID["decode_saturation"]:
-                    rows = errors(c, f)
-                    grid.append({"contention": c, "decode_saturation": f, "fit_error": round(score(rows, False), 4),
-                                 "held_out_error": round(score(rows, True), 4), "rows": rows})
+            in_code = errors(saved)
+            combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
+            for i, values in enumerate(combos):
+                rows = errors(values)
+                grid.append({**dict(zip(MPS_KEYS, values, strict=True)), "fit_error": round(score(rows, False), 4),
+                             "held_out_error": round(score(rows, True), 4), "rows": rows})
+                log(f"grid {i + 1}/{len(combos)}: {values} fit {grid[-1]['fit_error']}")
         finally:
-            mpsshare.CONTENTION, mpsshare.DECODE_SATURATION = saved
+            mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION = saved
     best = min(grid, key=lambda g: g["fit_error"])
     return {"bench": "twin_agreement", "mode": "mps-fit", "fit_rates_up_to": MPS_FIT_MAX_RATE,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
-            "in_code": {"contention": saved[0], "decode_saturation": saved[1]},
-            "best": {k: best[k] for k in ("contention", "decode_saturation", "fit_error", "held_out_error")},
-            "points": best["rows"],
-            "grid": [{k: g[k] for k in ("contention", "decode_saturation", "fit_error", "held_out_error")} for g in grid]}
+            "in_code": {**dict(zip(MPS_KEYS, saved, strict=True)), "fit_error": round(score(in_code, False), 4),
+                        "held_out_error": round(score(in_code, True), 4)},
+            "best": {k: best[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")},
+            "points": in_code,
+            "grid": [{k: g[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")} for g in grid]}
 
 
 def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
-    """The capped points, GPU against twin at the fitted constants (fit points and held-out ones)."""
+    """The capped points, GPU against the twin at the constants in code (fit points and held-out
+    ones); the grid's best beside them is in the JSON."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -446,9 +472,9 @@ def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
         ax.set(xlabel=f"GPU: {label}", ylabel=f"twin: {label}", xlim=(0, hi), ylim=(0, hi))
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
-    b = fit["best"]
-    fig.suptitle(f"sim.mpsshare against run 14 (one H200, MPS caps): contention {b['contention']}, "
-                 f"decode saturation {b['decode_saturation']}")
+    b = fit["in_code"]
+    fig.suptitle(f"sim.mpsshare (constants in code) against the H200 under MPS caps: contention "
+                 f"{b['contention']}, decode co-run {b['decode_corun']}, decode saturation {b['decode_saturation']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"plot: {path}")
@@ -467,7 +493,8 @@ def main() -> int:
     p.add_argument("--profile-cpu-preprocess", default=str(PROFILE_CPU_PRE), help="encode points, CPU preprocessing")
     p.add_argument("--runs", default=str(RESULTS / "gpu_serve_h200_*.json"),
                    help="the GPU runs to predict (a glob of gpu_serve result files)")
-    p.add_argument("--plot", default=str(REPO / "docs" / "img" / "twin_agreement.png"))
+    p.add_argument("--plot", default=None,
+                   help="the PNG (default docs/img/twin_agreement.png; with --mps-fit docs/img/twin_mps_fit.png)")
     p.add_argument("--mps-fit", action="store_true",
                    help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
                         "the rest held out); prints the grid and the best point")
@@ -475,7 +502,7 @@ def main() -> int:
     if args.mps_fit:
         fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
         print(json.dumps(fit, indent=1))
-        plot_mps_fit(fit, REPO / "docs" / "img" / "twin_mps_fit_run14.png")
+        plot_mps_fit(fit, Path(args.plot or REPO / "docs" / "img" / "twin_mps_fit.png"))
         return 0
     if args.measure or args.measure_path:
         if not args.out:
@@ -489,7 +516,7 @@ def main() -> int:
         return 0
     rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
     print(json.dumps(rep, indent=1))
-    plot(rep, Path(args.plot))
+    plot(rep, Path(args.plot or REPO / "docs" / "img" / "twin_agreement.png"))
     return 0
 
 

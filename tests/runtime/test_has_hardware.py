@@ -159,3 +159,23 @@ def test_deploy_skips_what_is_measured_and_what_does_not_fit(tmp_path: Path) -> 
     assert [s["system"] for s in rep["skipped"]] == ["easerve:e2p0d1:b2:s0", "aggregated@1024"]
     assert rep["skipped"][0]["needs_s"] == round(has_hardware.system_cost_s([3.5], 300))
     assert json.loads((out / "gpu_serve.json").read_text())["has_hardware_plan"]["pick"] == plan["pick"]
+
+
+def test_the_mps_fit_counts_a_repeated_point_once_as_the_mean_of_its_repeats(tmp_path: Path) -> None:
+    """``twin_agreement.py --mps-fit`` on runs 14-15: a point measured twice (E1 P0 D1, B = 6 at
+    85 % and 7 req/s: runs 14i and 15c) is one point, its figures the repeats' mean, and time-sliced
+    systems (no ``+mps``) are not fitted."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    pts = ta.mps_points(results / "engine_profile_h200_llava7b_run12.json",
+                        results / "engine_profile_h200_llava7b_cpu_preprocess_run12.json",
+                        str(results / "gpu_serve_h200_run1[45]*_300req.json"), tmp_path)
+    keys = [(system, p["rate"]) for system, _, p, _ in pts]
+    assert len(keys) == len(set(keys)) and all("+mps" in s for s, _ in keys)
+    p = next(p for system, _, p, _ in pts if (system, p["rate"]) == ("easerve:e1p0d1:b6:s0+mps85", 7.0))
+    files = sorted(r["file"] for r in p["repeats"])
+    assert files == ["gpu_serve_h200_run14i_300req.json", "gpu_serve_h200_run15c_300req.json"]
+    raw = [json.loads((results / f).read_text())["systems"]["easerve:e1p0d1:b6:s0+mps85"]["points"] for f in files]
+    goodputs = [q["goodput"]["moderate"] for pts_ in raw for q in pts_ if q["rate"] == 7.0]
+    assert p["goodput"]["moderate"] == pytest.approx(sum(goodputs) / len(goodputs))

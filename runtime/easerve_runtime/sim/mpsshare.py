@@ -17,12 +17,19 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
   pace while ``f >= decode_saturation`` (a memory-bound step reaches the GPU's bandwidth on a
   fraction of the SMs), else ``decode_saturation / f`` times slower; ``k`` other uncapped pods in
   flight (two decode pods on one GPU) split the bandwidth with it, ``1 + k`` times slower.
+- **Decode beside capped work:** a decode step dispatched while a capped pod has work in flight
+  pays ``1 + decode_corun`` as well, whatever the caps. On the H200 (runs 14-15) the served decode
+  step at 10-22 rows took 1.3-1.5x the profile's in every capped system, at 50, 70 and 85 %
+  alike (12.9 ms at 11 rows under a 50 % cap, 12.8 ms at 10 rows under 85 %), and the one-process
+  aggregated engine took the profile's own: the step is bound by memory bandwidth, which the
+  encoder's and the prefill's kernels take from it whichever SMs they hold.
 - **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
   contention``: the two compete for memory bandwidth and caches whatever the SM split.
 
-``contention`` and ``decode_saturation`` are calibrated on the H200 (``CONTENTION``,
-``DECODE_SATURATION``: fitted to run 14's points at 5.5 and 7 req/s and checked on its points at
-8.5, ``benchmarks/twin_agreement.py --mps-fit``); a profile measured elsewhere may set its own.
+``contention``, ``decode_corun`` and ``decode_saturation`` are calibrated on the H200
+(``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``: fitted to runs 14-15's points at 5.5 and
+7 req/s and checked on their points at 8.5, ``benchmarks/twin_agreement.py --mps-fit``); a profile
+measured elsewhere may set its own.
 The unit is the pod replica, as in ``sim.timeslice``: an encode pod's encode worker and its local
 prefill share the pod's one cap (one process, or one cap for both processes).
 """
@@ -35,9 +42,15 @@ from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.timeslice import pod_stage
 
-CONTENTION = 0.10
-DECODE_SATURATION = 0.40
+CONTENTION = 0.20
+DECODE_CORUN = 0.70
 MIN_FREE = 0.05
+DECODE_SATURATION = MIN_FREE
+"""Fitted on runs 14-15 (``twin_agreement.py --mps-fit``). The fit sets ``DECODE_SATURATION`` to
+``MIN_FREE``, which turns the saturation rule off: on the GPU two 85 % caps in flight together did
+not starve decode (Dynamo-style ``+mps85`` stepped 17.1 ms at 22 rows, EAServe's one 85 % pod 16.8
+ms at 22), and a wider cap did not slow it (12.9 ms at 11 rows under 50 %, 12.8 at 10 under 85 %).
+The rule stays for hardware where a profile's fit says otherwise."""
 REF_ITEMS = 4
 REF_TOKENS = 2048
 """The encode batch and prefill length at which a cap's slowdown is read off the profile."""
@@ -48,7 +61,7 @@ class MPSSharing:
 
     def __init__(self, loop: EventLoop, devices: dict[str, frozenset[int]], caps: Mapping[str, float],
                  model: StageModel, contention: float | None = None,
-                 decode_saturation: float | None = None) -> None:
+                 decode_saturation: float | None = None, decode_corun: float | None = None) -> None:
         """``caps``: stage name (``encode``, ``local-prefill``, ``prefill``, ``decode``) -> SM
         fraction in (0, 1]; a stage not named is uncapped. A pod replica's cap is its stage's (an
         encode pod's: ``encode``'s, else ``local-prefill``'s)."""
@@ -58,6 +71,7 @@ class MPSSharing:
         # read at construction (not bound as defaults), so a calibration can set the module's values
         self.contention = CONTENTION if contention is None else contention
         self.decode_saturation = DECODE_SATURATION if decode_saturation is None else decode_saturation
+        self.decode_corun = DECODE_CORUN if decode_corun is None else decode_corun
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}
@@ -100,6 +114,8 @@ class MPSSharing:
             factor = max(1.0, self.decode_saturation / free)
             # other uncapped (memory-bound) pods in flight split the bandwidth with it
             factor *= 1 + sum(1 for p in others if self.cap(p) is None)
+            if other_caps:  # capped work in flight takes memory bandwidth whatever SMs it holds
+                factor *= 1.0 + self.decode_corun
         else:
             total = cap + sum(other_caps)
             share = cap / total if total > 1.0 else cap
