@@ -136,3 +136,62 @@ def test_the_wait_asked_for_follows_the_policy_and_the_nvml_cadence(shm: Path) -
     prim.write(0, False)
     assert waits(ControllerCore(132, throttle=th)) == [0.1, 0.1]  # nothing runs: nothing to follow
     assert waits(ControllerCore(132, static_sms=64), sample=lambda: 10.0) == [0.02, 0.019]
+
+
+def test_a_partner_waiting_for_sms_is_woken_by_the_controller_not_by_re_reading(
+        shm: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local prefill (partner) waits while its encoder's micro-batch holds every SM. It used to
+    re-read the record every 0.5 ms; now it sleeps until the controller, publishing the split that
+    grants it SMs (the encoder went idle), pokes it. Its re-read safety net is set to 60 s here, so
+    only the poke can end the wait within the 30 s the test allows."""
+    import asyncio
+
+    from easerve_runtime.partition.wake import tenant_wake_path
+    from easerve_runtime.workers import partition_link
+
+    monkeypatch.setattr(partition_link, "PARTNER_RECHECK_S", 60.0)
+    # an encoder that needs the whole GPU to stay within 10 % of its best latency
+    t = PartitionTable.from_latencies(
+        132, {s: {b: 0.004 * b * (132 / s) ** 3 for b in (1, 2, 4, 8, 16)} for s in (32, 64, 96, 132)}, epsilon=0.1)
+    assert t.level_for(16).sms == 132  # a batch of 16 takes the whole GPU: the partner gets none
+    control = ControlRecordFile(control_path(0, shm), writer=True)
+    for role in ("primary", "partner"):
+        DemandFile(demand_path(0, role, shm), writer=True).close()
+    listener = WakeListener.bind(wake_path(control.path))
+    assert listener is not None
+    tenants = [WakeSender(tenant_wake_path(control.path, r)) for r in ("primary", "partner")]
+    stopping = threading.Event()
+
+    def controller() -> None:
+        run_loop(ControllerCore(132, split=EncodeBatchSplit(t)), control,
+                 DemandFile(demand_path(0, "primary", shm)), DemandFile(demand_path(0, "partner", shm)),
+                 None, stop=stopping.is_set, wake=listener.wait, idle_wait_s=60.0,
+                 published=lambda: [s.poke() for s in tenants] and None)
+
+    th = threading.Thread(target=controller, daemon=True)
+    th.start()
+    encoder = PartitionLink(0, "primary", shm, settle_s=30.0)
+    prefill = PartitionLink(0, "partner", shm)
+    assert encoder._woken is not None and prefill._woken is not None
+    while not control.path.exists() or ControlRecordFile(control.path).read().seq == 0:
+        threading.Event().wait(0.01)
+    assert encoder.share(16) == 1.0  # answered by a poke too: the settle wait is 30 s
+
+    async def run() -> float:
+        waiting = asyncio.create_task(prefill.granted(4, max_wait_s=60.0))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # no SMs for it while the micro-batch runs
+        encoder.idle()  # the micro-batch ends: the controller grants the partner the GPU and pokes
+        return await asyncio.wait_for(waiting, 30.0)
+
+    share = asyncio.run(run())
+    assert share == 1.0 and prefill.last is not None and prefill.last.partner_sms == 132
+    assert prefill.ungranted == 0  # granted, not the whole-GPU fallback
+    stopping.set()
+    WakeSender(wake_path(control.path)).poke()
+    th.join(30.0)
+    assert not th.is_alive()
+    for x in (encoder, prefill):
+        x.close()
+    listener.close()
+    assert not tenant_wake_path(control.path, "partner").exists()  # the tenant removed its socket

@@ -151,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
     from easerve_runtime.partition.controller import ControllerCore, run_loop
     from easerve_runtime.partition.nvml_signal import MemoryActivitySampler, NvmlUnavailable
     from easerve_runtime.partition.record import ControlRecordFile, DemandFile, control_path, demand_path
-    from easerve_runtime.partition.wake import WakeListener, wake_path
+    from easerve_runtime.partition.wake import WakeListener, WakeSender, tenant_wake_path, wake_path
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
     log = logging.getLogger("partition-controller")
@@ -199,6 +199,12 @@ def run(args: argparse.Namespace) -> int:
     listener = None if args.poll else WakeListener.bind(wake_path(control.path))
     log.info("policy %s on GPU %d (%d SMs) -> %s (%s)", args.policy, args.gpu, total, control.path,
              f"woken by the tenants at {listener.path}" if listener else f"polling every {args.tick_ms} ms")
+    tenants = [WakeSender(tenant_wake_path(control.path, role)) for role in ("primary", "partner")]
+
+    def poke_tenants() -> None:
+        for t in tenants:
+            t.poke()
+
     ticks = run_loop(
         core,
         control,
@@ -210,7 +216,10 @@ def run(args: argparse.Namespace) -> int:
         stop=lambda: stopping["flag"] or time.monotonic() >= end,
         wake=listener.wait if listener else None,
         idle_wait_s=min(0.1, args.duration) if args.duration > 0 else 0.1,
+        published=poke_tenants,
     )
+    for t in tenants:
+        t.close()
     if listener is not None:
         listener.close()
     log.info("stopped after %d decisions", ticks)

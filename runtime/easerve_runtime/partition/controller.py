@@ -96,6 +96,7 @@ def run_loop(
     clock: Callable[[], float] = time.monotonic,
     wake: Callable[[float], bool] | None = None,
     idle_wait_s: float = 0.1,
+    published: Callable[[], None] | None = None,
 ) -> int:
     """Decide until ``stop()``; write only when the decision or signal changes. Returns ticks run.
 
@@ -103,7 +104,9 @@ def run_loop(
     tenants poke after each demand write) it sleeps until poked, so an idle GPU costs no CPU and a
     demand is answered as soon as it is written: ``wake(timeout)`` is called with ``idle_wait_s``,
     shortened to the next NVML sample, and with ``tick_s`` while a tenant runs under a policy that
-    changes with time rather than demand (the bandwidth throttle follows its signal)."""
+    changes with time rather than demand (the bandwidth throttle follows its signal).
+    ``published`` is called after each record that carries a new split (``wake.py``: it pokes the
+    tenants, which sleep until then rather than re-reading the record)."""
     idle = Demand(batch=0, active=False)
     last: tuple[int, int, int, bool] | None = None
     next_sample = clock()
@@ -122,6 +125,8 @@ def run_loop(
         key = (rec.primary_sms, rec.partner_sms, rec.primary_batch, rec.downstream_active)
         if key != last or ticks % 200 == 0:
             control.write(rec)
+            if key != last and published is not None:
+                published()
             last = key
         ticks += 1
         if wake is None:

@@ -10,6 +10,13 @@ containers share, like the records); the controller blocks on that socket and an
 at once. The records stay the source of truth: a datagram carries nothing, several collapse into
 one wake-up, and a lost one (queue full) only means the controller is awake already.
 
+The other direction is the same mechanism: each tenant binds ``easerve-partition-gpuN.<role>.wake``
+and the controller pokes both tenants after each record it publishes with a new split. The local
+prefill (partner) waits for SMs while its encoder runs a micro-batch, and the encoder waits, up to
+``SETTLE_S``, for the record that answers its batch; both used to re-read the record every 0.5 ms
+(``workers/partition_link.py``) and now sleep until the controller's poke, re-reading at most every
+``PARTNER_RECHECK_S`` in case none comes.
+
 Either side degrades to the old behaviour rather than failing: a controller that cannot bind the
 socket (a path longer than ``sun_path``, an unsupported filesystem) polls at its tick, and a
 tenant whose datagram finds no listener (no controller, or one that died) carries on: the
@@ -18,6 +25,7 @@ record's share rules (``workers.partition_link``) already cover a missing contro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -29,8 +37,14 @@ log = logging.getLogger(__name__)
 
 
 def wake_path(control: Path) -> Path:
-    """The socket beside a GPU's control record (``record.control_path``)."""
+    """The controller's socket beside a GPU's control record (``record.control_path``)."""
     return control.with_name(control.name + ".wake")
+
+
+def tenant_wake_path(control: Path, role: str) -> Path:
+    """Tenant ``role``'s (``primary`` or ``partner``) socket beside a GPU's control record: the
+    controller pokes it after publishing a new split."""
+    return control.with_name(f"{control.name}.{role}.wake")
 
 
 class WakeListener:
@@ -41,9 +55,9 @@ class WakeListener:
         self.path = path
 
     @classmethod
-    def bind(cls, path: Path) -> WakeListener | None:
-        """Bind the socket at ``path`` (replacing a stale one a dead controller left); None if this
-        host cannot, and the controller then polls."""
+    def bind(cls, path: Path, fallback: str = "the controller polls") -> WakeListener | None:
+        """Bind the socket at ``path`` (replacing a stale one a dead process left); None if this
+        host cannot, and the caller then polls (``fallback`` says how, for the log)."""
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         try:
             with contextlib.suppress(FileNotFoundError):
@@ -52,7 +66,7 @@ class WakeListener:
             sock.setblocking(False)
         except OSError as exc:
             sock.close()
-            log.warning("no wake-up socket at %s (%s): the controller polls", path, exc)
+            log.warning("no wake-up socket at %s (%s): %s", path, exc, fallback)
             return None
         return cls(sock, path)
 
@@ -61,10 +75,30 @@ class WakeListener:
         ready, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
         if not ready:
             return False
+        self._drain()
+        return True
+
+    async def wait_async(self, timeout: float) -> bool:
+        """``wait`` without blocking the event loop (a tenant's worker keeps receiving meanwhile)."""
+        if self.wait(0):
+            return True
+        loop = asyncio.get_running_loop()
+        ready: asyncio.Future[None] = loop.create_future()
+        fd = self.sock.fileno()
+        loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await asyncio.wait_for(ready, max(0.0, timeout))
+        except TimeoutError:
+            return False
+        finally:
+            loop.remove_reader(fd)
+        self._drain()
+        return True
+
+    def _drain(self) -> None:
         with contextlib.suppress(BlockingIOError, InterruptedError):
             while True:
                 self.sock.recv(16)
-        return True
 
     def close(self) -> None:
         self.sock.close()

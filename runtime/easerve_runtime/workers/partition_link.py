@@ -12,7 +12,8 @@ a GPU) the share is 1.0: the worker behaves as if it owned the GPU.
 
 Each demand write is followed by a wake-up datagram to the controller (``partition/wake.py``),
 which sleeps until one comes and answers at once (a controller that cannot bind its socket polls
-every 0.5 ms instead). An encoder that announces a batch waits, briefly and bounded
+every 0.5 ms instead), and the controller pokes each tenant back after it publishes a new split,
+so a tenant waiting for its answer sleeps instead of re-reading the record every 0.5 ms. An encoder that announces a batch waits, briefly and bounded
 (``SETTLE_S``), for a record that answers its batch (the record echoes ``primary_batch``). An
 encoder still granted no SMs after that (the controller lags, hangs or died and left its idle
 split, where encode gets 0 SMs) runs on the whole GPU rather than on one SM: contention is slower
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -42,7 +44,7 @@ from easerve_runtime.partition.record import (
     control_path,
     demand_path,
 )
-from easerve_runtime.partition.wake import WakeSender, wake_path
+from easerve_runtime.partition.wake import WakeListener, WakeSender, tenant_wake_path, wake_path
 
 log = logging.getLogger("easerve.partition")
 
@@ -51,6 +53,13 @@ SETTLE_S = 0.003
 PARTNER_WAIT_S = 2.0
 """Longest a partner waits for SMs while its encoder runs a micro-batch before it takes the whole GPU."""
 PARTNER_POLL_S = 0.0005
+"""How often a tenant re-reads the record while it waits, when it could not bind its wake-up socket."""
+TENANTS_POLL_ENV = "EASERVE_PARTITION_TENANTS_POLL"
+"""Set to 1: the tenants re-read the record every ``PARTNER_POLL_S`` while they wait, as before
+the controller woke them (``benchmarks/partition_wakeups.py`` compares the two in one run)."""
+PARTNER_RECHECK_S = 0.02
+"""How often a tenant woken by the controller re-reads the record anyway while it waits (a safety
+net: the controller pokes after each new split, so this bounds only a poke that never comes)."""
 
 
 class PartitionLink:
@@ -61,6 +70,10 @@ class PartitionLink:
         self.demand = DemandFile(demand_path(gpu, role, shm_dir), writer=True)
         self.control_path = control_path(gpu, shm_dir)
         self._wake = WakeSender(wake_path(self.control_path))
+        self._woken = None if os.environ.get(TENANTS_POLL_ENV) == "1" else WakeListener.bind(
+            tenant_wake_path(self.control_path, role),
+            fallback=f"the {role} re-reads the record every {PARTNER_POLL_S * 1e3:g} ms")
+        """The controller pokes this after each new split; None (this host cannot bind it): poll."""
         self._control: ControlRecordFile | None = None
         self.last: ControlRecord | None = None
         self.settle_s = settle_s
@@ -92,8 +105,11 @@ class PartitionLink:
         rec = self._read()
         if self.role == "primary" and batch > 0 and rec is not None and rec.seq:
             deadline = time.monotonic() + self.settle_s
-            while rec is not None and rec.primary_batch != batch and time.monotonic() < deadline:
-                time.sleep(0.0001)
+            while rec is not None and rec.primary_batch != batch and (left := deadline - time.monotonic()) > 0:
+                if self._woken is not None:
+                    self._woken.wait(left)  # the controller pokes once it has answered
+                else:
+                    time.sleep(0.0001)
                 rec = self._read()
         self.last = rec
         if rec is None or rec.total_sms <= 0 or rec.seq == 0:
@@ -118,9 +134,13 @@ class PartitionLink:
             rec = self._read()
             if rec is None or rec.total_sms <= 0 or rec.seq == 0 or rec.partner_sms > 0:
                 break
-            if time.monotonic() >= deadline:
+            left = deadline - time.monotonic()
+            if left <= 0:
                 break
-            await asyncio.sleep(PARTNER_POLL_S)
+            if self._woken is not None:
+                await self._woken.wait_async(min(left, PARTNER_RECHECK_S))
+            else:
+                await asyncio.sleep(PARTNER_POLL_S)
         return self.share(batch)
 
     def idle(self) -> None:
@@ -129,6 +149,8 @@ class PartitionLink:
     def close(self) -> None:
         self.demand.close()
         self._wake.close()
+        if self._woken is not None:
+            self._woken.close()
         if self._control is not None:
             self._control.close()
 
