@@ -252,6 +252,74 @@ def decode_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
     return out
 
 
+ENCODE_SERIES = {
+    "easerve_encode_batch_size_count": "batches",
+    "easerve_encode_batch_size_sum": "requests",
+    "easerve_encode_items_total": "items",
+    "easerve_encode_batch_seconds_sum": "engine_s",
+    "easerve_encode_profile_seconds_total": "profile_s",
+    "easerve_encode_queue_wait_seconds_sum": "queue_wait_s",
+    "easerve_encode_queue_wait_seconds_count": "queue_waits",
+}
+"""The encode workers' own series that a point's ``encode`` block is the difference of."""
+
+
+def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
+    """The encode workers' counters summed over the replicas of ``stage``, read from each one's
+    ``/metrics`` (the Dynamo system port in ``processes.json``). Empty when none answers.
+
+    Why: the decode loop writes its own statistics, but what a request spent before its first
+    token (the batcher's wait, the encoder's time per micro-batch against its profile) was not
+    in the points, so a TTFT the twin misses could not be placed (run 16, docs/benchmarks.md)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        procs = json.loads((workdir / "wd" / "processes.json").read_text())["processes"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    out: dict[str, float] = {}
+    for p in procs:
+        if p.get("stage") != stage or not p.get("system_port"):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p['system_port']}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                if sample.name in ENCODE_SERIES:
+                    key = ENCODE_SERIES[sample.name]
+                    out[key] = out.get(key, 0.0) + float(sample.value)
+                elif sample.name == "easerve_encode_dispatch_total":
+                    key = f"dispatch_{sample.labels.get('reason', '?')}"
+                    out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def encode_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """One point's encode stage from two ``worker_metrics`` reads: micro-batches, their mean size,
+    the engine's time per batch against what the served profile predicts for the same batches, and
+    the batcher's mean wait."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    n = d.get("batches", 0.0)
+    if n <= 0:
+        return {}
+    out: dict[str, Any] = {"batches": int(n), "requests": int(d.get("requests", 0.0)), "requests_per_batch": round(d.get("requests", 0.0) / n, 2),
+                           "items_per_batch": round(d.get("items", 0.0) / n, 2),
+                           "engine_ms_per_batch": round(d.get("engine_s", 0.0) / n * 1e3, 2),
+                           "profile_ms_per_batch": round(d.get("profile_s", 0.0) / n * 1e3, 2),
+                           "dispatch": {k.removeprefix("dispatch_"): int(v) for k, v in d.items()
+                                        if k.startswith("dispatch_") and v}}
+    if d.get("profile_s"):
+        out["engine_over_profile"] = round(d["engine_s"] / d["profile_s"], 3)
+    if d.get("queue_waits"):
+        out["queue_wait_ms_mean"] = round(d["queue_wait_s"] / d["queue_waits"] * 1e3, 2)
+    return out
+
+
 def gpu_info() -> dict[str, Any]:
     try:
         import torch
@@ -354,10 +422,13 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
                 log(f"{system}: rate {rate} req/s, {args.requests} requests")
                 time.sleep(0.5)  # the decode loop wrote its idle statistics
                 before = decode_stats(stats_dir)
+                enc_before = worker_metrics(workdir)
                 rep = bench_point(srv.url, spec_path, rate, args.requests, 1, env)
                 time.sleep(STATS_SETTLE_S)
                 loop = decode_breakdown(before, decode_stats(stats_dir))
-                runs["points"].append({"rate": rate, **rep, "decode_loop": loop})
+                enc = encode_breakdown(enc_before, worker_metrics(workdir))
+                runs["points"].append({"rate": rate, **rep, "decode_loop": loop, "encode": enc})
+                log(f"{system}: rate {rate}: encode {enc}")
                 log(f"{system}: rate {rate}: decode loop {loop}")
                 g = rep.get("goodput", {})
                 log(f"{system}: rate {rate}: throughput {rep.get('throughput')} goodput {g} "
