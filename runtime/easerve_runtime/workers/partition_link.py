@@ -13,11 +13,12 @@ a GPU) the share is 1.0: the worker behaves as if it owned the GPU.
 Each demand write is followed by a wake-up datagram to the controller (``partition/wake.py``),
 which sleeps until one comes and answers at once (a controller that cannot bind its socket polls
 every 0.5 ms instead), and the controller pokes each tenant back after it publishes a new split,
-so a tenant waiting for its answer sleeps instead of re-reading the record every 0.5 ms. An encoder that announces a batch waits, briefly and bounded
-(``SETTLE_S``), for a record that answers its batch (the record echoes ``primary_batch``). An
-encoder still granted no SMs after that (the controller lags, hangs or died and left its idle
-split, where encode gets 0 SMs) runs on the whole GPU rather than on one SM: contention is slower
-than isolation, but starving the encoder stops serving.
+so a tenant waiting for its answer sleeps instead of re-reading the record every 0.5 ms. An
+encoder that announces a batch waits, briefly and bounded (``SETTLE_S``), for a record that
+answers its batch (the record echoes ``primary_batch``). An encoder still granted no SMs after
+that (the controller lags, hangs or died and left its idle split, where encode gets 0 SMs) runs on
+the whole GPU rather than on one SM: contention is slower than isolation, but starving the encoder
+stops serving.
 
 The partner (local prefill) is different: the dynamic split grants it 0 SMs *on purpose* while a
 micro-batch encodes, so a partner batch waits for SMs (``granted``, async: the worker keeps
