@@ -182,9 +182,17 @@ class Serve:
                 self.proc.wait(10)
 
 
-def bench_point(url: str, spec_path: Path, rate: float, n: int, seed: int, env: dict[str, str]) -> dict[str, Any]:
+GPU_CLIENT = ("--image-format", "jpeg", "--ignore-eos")
+"""The GPU runs' client: photo-like JPEGs, as real clients send, and every asked-for token decoded
+(random weights). The CPU benchmarks of the sim engine send the default images, a connection per
+request, as a cluster trial's load Job does (``SIM_CLIENT``)."""
+SIM_CLIENT = ("--connection-per-request",)
+
+
+def bench_point(url: str, spec_path: Path, rate: float, n: int, seed: int, env: dict[str, str],
+                client: tuple[str, ...] = GPU_CLIENT) -> dict[str, Any]:
     cmd = [sys.executable, "-m", "easerve_operator.cli", "bench", "--url", url, "-f", str(spec_path), "--rate", str(rate),
-           "--requests", str(n), "--seed", str(seed), "--image-format", "jpeg", "--ignore-eos", "--json", "--timeout", "120"]
+           "--requests", str(n), "--seed", str(seed), *client, "--json", "--timeout", "120"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=n / rate + 300)
     try:  # exit 1 = some requests failed: the report says which and why, and it counts
         return dict(json.loads(r.stdout))

@@ -26,21 +26,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
 EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
 TICKS = os.sysconf("SC_CLK_TCK")
-EASERVE = str(Path(sys.executable).with_name("easerve"))
 MODES = {"polling tenants": {"EASERVE_PARTITION_TENANTS_POLL": "1"}, "woken tenants": {}}
 
 
@@ -81,44 +78,24 @@ def role_of(p: dict[str, Any]) -> str:
     return stage or "?"
 
 
-def wait_up(url: str, timeout: float = 180.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise SystemExit(f"{url} did not come up in {timeout:.0f} s")
-
-
 def run_mode(name: str, env_extra: dict[str, str], spec: Path, port: int, rate: float, requests: int,
              seed: int) -> dict[str, Any]:
+    from gpu_serve import SIM_CLIENT, Serve, bench_point
+
     work = Path(tempfile.mkdtemp(prefix="pw-"))
     env = {k: v for k, v in os.environ.items() if k != "EASERVE_PARTITION_TENANTS_POLL"} | env_extra
-    serve = subprocess.Popen([EASERVE, "serve", "-f", str(spec), "--port", str(port),
-                              "--workdir", str(work)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    srv = Serve(spec, work, port, env)
     try:
-        wait_up(url)
-        procs = json.loads((work / "processes.json").read_text())["processes"]
+        srv.wait(180)
+        procs = json.loads((work / "wd" / "processes.json").read_text())["processes"]
         log(f"{name}: {len(procs)} processes up; load {rate} req/s x {requests}")
         before = {p["pid"]: cpu_s(p["pid"]) for p in procs}
         t0 = time.monotonic()
-        bench = subprocess.run([EASERVE, "bench", "--url", url, "--rate", str(rate),
-                                "--requests", str(requests), "--seed", str(seed), "--spec", str(spec), "--json",
-                                "--connection-per-request"], capture_output=True, text=True, env=env)
+        report = bench_point(srv.url, spec, rate, requests, seed, env, client=SIM_CLIENT)
         wall = time.monotonic() - t0
         after = {p["pid"]: cpu_s(p["pid"]) for p in procs}
-        if bench.returncode != 0:
-            raise SystemExit(f"{name}: easerve bench failed: {bench.stderr[-2000:]}")
-        report = json.loads(bench.stdout[bench.stdout.index("{"):])
     finally:
-        os.killpg(serve.pid, signal.SIGTERM)
-        serve.wait(60)
+        srv.stop()
     roles: dict[str, dict[str, float]] = {}
     for p in procs:
         r = roles.setdefault(role_of(p), {"processes": 0, "cpu_s": 0.0})

@@ -21,12 +21,9 @@ import argparse
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +32,6 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 EXAMPLE = REPO / "examples" / "llava-v1.6-34b.yaml"
-EASERVE = str(Path(sys.executable).with_name("easerve"))
 LABEL = re.compile(r"(\d+)E-(\d+)P\(tp(\d+)\)-(\d+)D\(tp(\d+)\) B=(\d+) s=([\d.]+)")
 
 
@@ -54,25 +50,6 @@ def candidate(label: str) -> Any:
     return Candidate(Alloc(int(e), int(p), int(ptp), int(d), int(dtp)), int(b), float(s))
 
 
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout: float = 180.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                return
-        except OSError:
-            time.sleep(0.5)
-    raise SystemExit(f"easerve serve at {url} did not come up")
-
-
-def bench(url: str, spec: Path, rate: float, n: int, seed: int) -> dict[str, Any]:
-    r = subprocess.run([EASERVE, "bench", "--url", url, "--rate", f"{rate:g}", "--requests", str(n), "--seed", str(seed),
-                        "--spec", str(spec), "--json", "--connection-per-request"], capture_output=True, text=True)
-    if r.returncode not in (0, 1) or "{" not in r.stdout:  # 1: some requests failed (refused), reported
-        raise SystemExit(f"easerve bench failed ({r.returncode}): {r.stderr[-2000:]}")
-    return dict(json.loads(r.stdout[r.stdout.index("{"):]))
-
-
 def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale: float, port: int) -> dict[str, Any]:
     import gpu_serve
     from easerve_operator.tuning.space import apply_candidate
@@ -88,19 +65,17 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
     f = work / "spec.yaml"
     f.write_text(yaml.safe_dump(doc))
     env = {**os.environ, "EASERVE_SIM_SPEEDUP": f"{speedup:g}", "EASERVE_SIM_BYTES_SCALE": f"{bytes_scale:g}"}
-    srv = subprocess.Popen([EASERVE, "serve", "-f", str(f), "--port", str(port), "--workdir", str(work / "wd")],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    srv = gpu_serve.Serve(f, work, port, env)
     try:
-        wait_up(url, srv)
-        bench(url, f, rate * speedup, 8, 99)  # warm-up, not recorded (the trial's warm-up is cut too)
+        srv.wait(180)
+        # warm-up, not recorded (the trial's warm-up is cut too)
+        gpu_serve.bench_point(srv.url, f, rate * speedup, 8, 99, env, client=gpu_serve.SIM_CLIENT)
         before = gpu_serve.worker_metrics(work)
         log(f"{label}: {requests} requests at {rate:g} req/s (model time; {rate * speedup:g} wall)")
-        rep = bench(url, f, rate * speedup, requests, 1)
+        rep = gpu_serve.bench_point(srv.url, f, rate * speedup, requests, 1, env, client=gpu_serve.SIM_CLIENT)
         enc = gpu_serve.encode_breakdown(before, gpu_serve.worker_metrics(work))
     finally:
-        os.killpg(srv.pid, signal.SIGTERM)
-        srv.wait(60)
+        srv.stop()
     res = simulate_system(spec, generate(spec, rate, requests, 1), "easerve", cached_model(spec), frontends=1)
     k = speedup
     live = {"throughput": rep["throughput"] / k, "ttft_mean": rep["ttft"]["mean"] * k, "ttft_p50": rep["ttft"]["p50"] * k,

@@ -6,11 +6,7 @@ run 16 found a P99 TTFT the twin missed that the points had no figure to place. 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -19,34 +15,21 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 import gpu_serve  # noqa: E402
 from easerve_runtime.workers.launcher import free_port  # noqa: E402
 
-EASERVE = str(Path(sys.executable).with_name("easerve"))
 SPEC = REPO / "examples" / "llava-v1.6-34b.yaml"
 
 
 def test_a_point_carries_its_encode_batches_from_the_workers_metrics(tmp_path: Path) -> None:
     assert gpu_serve.worker_metrics(tmp_path) == {}  # nothing serves here: no figures, no error
-    port = free_port()
-    srv = subprocess.Popen([EASERVE, "serve", "-f", str(SPEC), "--port", str(port), "--workdir", str(tmp_path / "wd")],
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
+    srv = gpu_serve.Serve(SPEC, tmp_path, free_port(), dict(os.environ))
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert srv.poll() is None and time.monotonic() < deadline, "easerve serve did not come up"
-            try:
-                with urllib.request.urlopen(f"{url}/v1/models", timeout=2):
-                    break
-            except OSError:
-                time.sleep(0.5)
+        srv.wait(120)
         before = gpu_serve.worker_metrics(tmp_path)
         assert before.get("batches") == 0.0  # both encode replicas answered, nothing encoded yet
-        r = subprocess.run([EASERVE, "bench", "--url", url, "--rate", "4", "--requests", "12", "--seed", "3",
-                            "--spec", str(SPEC), "--json"], capture_output=True, text=True, timeout=300)
-        assert r.returncode == 0, r.stderr[-2000:]
+        rep = gpu_serve.bench_point(srv.url, SPEC, 4.0, 12, 3, dict(os.environ), client=gpu_serve.SIM_CLIENT)
+        assert rep["completed"] == 12, rep.get("errors")
         enc = gpu_serve.encode_breakdown(before, gpu_serve.worker_metrics(tmp_path))
     finally:
-        os.killpg(srv.pid, signal.SIGTERM)
-        srv.wait(60)
+        srv.stop()
     # every request was encoded once, in micro-batches of at most the spec's bound (8)
     assert enc["requests"] == 12 and 1 <= enc["batches"] <= 12
     assert 1.0 <= enc["requests_per_batch"] <= 8.0
