@@ -1,7 +1,8 @@
 #!/bin/bash
 # On the dev machine: build .devsite/ (git-ignored), what the GPU machine needs to run
 # `easerve serve` and has no registry to fetch: Dynamo's runtime (its 226 MB core library
-# xz-compressed to 44 MB, so the whole folder travels within a 64 MiB carry) and the wheels of the
+# stripped of its static symbols, 174 MB, and xz-compressed to 38 MB, so the folder and the
+# tracked tree travel within a 64 MiB carry) and the wheels of the
 # runtime's pure dependencies for CPython 3.12. benchmarks/devsite.sh unpacks it there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -13,6 +14,7 @@ $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --pla
     -d "$tmp" ai-dynamo-runtime==1.6.1
 (cd "$tmp" && unzip -q ai_dynamo_runtime-*.whl 'dynamo/*')
 rm -rf .devsite/dynamo && mv "$tmp/dynamo" .devsite/dynamo
+strip --strip-unneeded .devsite/dynamo/_core.abi3.so   # the dynamic symbols Python loads stay
 xz -9 -T0 .devsite/dynamo/_core.abi3.so   # -> _core.abi3.so.xz
 $PY -m pip download -q --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
