@@ -52,6 +52,7 @@ def candidate(label: str) -> Any:
 
 def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale: float, port: int) -> dict[str, Any]:
     import gpu_serve
+    from easerve_operator.tuning.runners.kube import compressed
     from easerve_operator.tuning.space import apply_candidate
     from easerve_runtime.api import load_manifest
     from easerve_runtime.sim.runner import cached_model
@@ -60,7 +61,8 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
 
     spec = apply_candidate(load_manifest(str(EXAMPLE))[1], candidate(label))
     work = Path(tempfile.mkdtemp(prefix="trial-local-"))
-    doc = {**yaml.safe_load(EXAMPLE.read_text()), "spec": spec.model_dump(mode="json", by_alias=True, exclude_none=True)}
+    served = compressed(spec, speedup)  # the spec the cluster's sped-up trial pods run
+    doc = {**yaml.safe_load(EXAMPLE.read_text()), "spec": served.model_dump(mode="json", by_alias=True, exclude_none=True)}
     doc["spec"]["discovery"] = {"backend": "file"}
     f = work / "spec.yaml"
     f.write_text(yaml.safe_dump(doc))

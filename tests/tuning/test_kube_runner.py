@@ -494,3 +494,33 @@ def test_an_unreachable_prometheus_stops_the_search_naming_its_url(tmp_path, mon
     loads = [k for op, k in made[0].calls if op == "apply" and k[0] == "Job" and k[1].endswith("-load")]
     assert len(loads) == 1, "stopped at the first trial"
     assert made[0].objects == {}, "the trial is torn down"
+
+
+def test_sped_up_trial_pods_run_the_candidate_the_twin_predicts(image_spec, monkeypatch):
+    """At speed-up k the pods read the spec's durations in wall time: the runner divides them by k, so
+    the batcher's valve and the frontend's door are the twin's in model time (unscaled, the door held
+    k times the twin's requests and the valve waited k times longer)."""
+    from easerve_operator.tuning.runners.kube import compressed
+    from easerve_runtime.api.runtime_config import RuntimeConfig
+    from easerve_runtime.policies.admission import admission_queue
+    from easerve_runtime.sim.frontdoor import FrontDoor
+    from easerve_runtime.workers.frontend import FRONTENDS_ENV, measured_capacity
+
+    k = 2.0
+    spec = image_spec.model_copy(update={"engine": image_spec.engine.model_copy(update={"backend": "sim"})})
+    run = compressed(spec, k)
+    assert run.encode.max_age_ms * k == pytest.approx(spec.encode.max_age_ms)
+    assert run.encode.rate_half_life_ms * k == pytest.approx(spec.encode.rate_half_life_ms)
+    assert run.limits.request_timeout_seconds * k == pytest.approx(spec.limits.request_timeout_seconds)
+    assert [t.ttft_seconds * k for t in run.slo.tiers] == pytest.approx([t.ttft_seconds for t in spec.slo.tiers])
+    assert compressed(spec, 1.0) is spec
+
+    monkeypatch.setenv("EASERVE_SIM_SPEEDUP", f"{k:g}")
+    monkeypatch.setenv(FRONTENDS_ENV, "1")
+    twin = FrontDoor(spec, frontends=1)
+
+    def live_bound(s: Any) -> int:
+        return admission_queue(s.limits, measured_capacity(RuntimeConfig(name="t", dynamo_namespace="t", spec=s))).bound
+
+    assert live_bound(run) == twin.bound
+    assert live_bound(spec) > twin.bound  # what the pods ran before the durations were scaled

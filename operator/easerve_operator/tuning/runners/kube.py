@@ -24,7 +24,8 @@ One trial, in order (``KubeRunner.run_trial``):
 
 **Sped-up sim pods** (``EASERVE_SIM_SPEEDUP = k`` in ``spec.pod.env``, engine ``sim``): every modelled
 latency runs k times faster, so the trial runs the same system with time compressed by k. The runner
-makes that exact: the pods and the load Job get the SLO tiers divided by k, the load runs at k·Λ (the
+makes that exact: the pods and the load Job get every duration of the spec divided by k (SLO tiers,
+the batcher's max age and rate half-life, the queue budget, the deadline: ``compressed``), the load runs at k·Λ (the
 same seeded requests, arrivals k times closer; a trace's timestamps divided by k), and every figure is
 mapped back (throughput and goodput / k, latencies · k) before the search sees it. ``time_scale`` in the
 trial's record says which k; the raw real-time figures stay beside the mapped ones.
@@ -172,11 +173,28 @@ def time_scale(spec: EPDDeploymentSpec) -> float:
 
 
 def compressed(spec: EPDDeploymentSpec, k: float) -> EPDDeploymentSpec:
-    """The spec the sped-up pods and the load Job run: SLO bounds divided by ``k``."""
+    """The spec the sped-up pods and the load Job run: every duration the pods read divided by ``k``.
+
+    The sped-up pods run the model's latencies ``k`` times faster, but they read the spec's own
+    durations in wall time. Unscaled, those would stretch ``k``-fold in the model's time: the
+    micro-batcher's max-age valve (50 ms wall = 100 ms of model time at k = 2) and rate half-life,
+    the frontend's queue budget (the admission bound is the capacity, itself x k, times
+    ``limits.queueSeconds``: twice the twin's bound at k = 2, and the AIMD's late-token target twice
+    as late), the request deadline. So the trial would run another system than the candidate the
+    twin predicts. Scaled, it is the same system with time compressed by ``k`` (what
+    ``trial_local.py`` measured: the B = 2 trials' TTFT 1.10-1.31x the twin's with the valve
+    unscaled)."""
     if k == 1.0:
         return spec
     tiers = [t.model_copy(update={"ttft_seconds": t.ttft_seconds / k, "tpot_ms": t.tpot_ms / k}) for t in spec.slo.tiers]
-    return spec.model_copy(update={"slo": spec.slo.model_copy(update={"tiers": tiers})})
+    enc = spec.encode
+    encode = enc.model_copy(update={"max_age_ms": enc.max_age_ms / k, "rate_half_life_ms": enc.rate_half_life_ms / k,
+                                    "timeout_ms": enc.timeout_ms / k})
+    lim = spec.limits
+    limits = lim.model_copy(update={"queue_seconds": lim.queue_seconds / k,
+                                    "request_timeout_seconds": lim.request_timeout_seconds / k})
+    return spec.model_copy(update={"slo": spec.slo.model_copy(update={"tiers": tiers}), "encode": encode,
+                                   "limits": limits})
 
 
 def expanded(m: TrialMetrics, k: float) -> TrialMetrics:
