@@ -323,6 +323,9 @@ def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> di
                 "goodput": {t: float(v) / k for t, v in (job.get("goodput") or {}).items()},
                 "completed": job.get("completed"),
                 "failed": job.get("failed"),
+                # why requests failed (e.g. the door's "admission queue full (5 of 5 waiting)": the bound
+                # then), the most frequent few, so a refusal count can be read against the twin's door
+                "errors": dict(sorted((job.get("errors") or {}).items(), key=lambda kv: -int(kv[1]))[:6]),
             },
             "crosscheck": {
                 "ratios": (last.get("crosscheck") or {}).get("ratios"),
