@@ -112,3 +112,24 @@ def test_least_outstanding_picks_a_minimum_and_balances(k, events):
     for _ in range(len(events)):
         out2[p.pick(cands, out2)] += 1
     assert max(out2.values()) - min(out2.values()) <= 1
+
+
+def test_pickers_that_see_only_their_own_counts_burst_in_lockstep_unless_their_rotations_start_apart():
+    """One frontend per encode pod, each counting only its own requests: six frontends starting their
+    rotation at 0 send the first six requests (dealt one per frontend) all to the first encoder; each
+    process's own start spreads them."""
+    from easerve_runtime.policies.router import process_rotation_start
+
+    encoders = [f"e{i}" for i in range(6)]
+
+    def first_round(starts: list[int]) -> list[str]:
+        pickers = [LeastOutstanding(s) for s in starts]
+        return [p.pick(encoders, {}) for p in pickers]  # each frontend's own counts: all zero
+
+    assert first_round([0] * 6) == ["e0"] * 6
+    assert sorted(first_round(list(range(6)))) == encoders
+    starts = [process_rotation_start(f"encode-pod-{i}:{1000 + i}") for i in range(6)]
+    assert len(set(starts)) == 6 and starts == [process_rotation_start(f"encode-pod-{i}:{1000 + i}") for i in range(6)]
+    assert len(set(first_round(starts))) > 1
+    with pytest.raises(ValueError, match="start"):
+        LeastOutstanding(-1)

@@ -96,12 +96,20 @@ def _pick_index(candidates: Sequence[K], outstanding: Mapping[K, int], start: in
 
 
 class LeastOutstanding:
-    """Stateful picker: fewest outstanding, ties rotating round-robin from after the last pick."""
+    """Stateful picker: fewest outstanding, ties rotating round-robin from after the last pick.
+
+    ``start``: where the rotation begins. Many callers that each count only their own requests
+    (one frontend per encode pod, each encode worker towards the prefill pool) and all begin at 0
+    pick in lockstep: the first request of every frontend goes to the first encoder, the next
+    of every frontend to the second, so k frontends send bursts of k to one encoder while the
+    others idle. The live pools give each process its own start (``process_rotation_start``)."""
 
     __slots__ = ("_next",)
 
-    def __init__(self) -> None:
-        self._next = 0
+    def __init__(self, start: int = 0) -> None:
+        if start < 0:
+            raise ValueError(f"start: must be >= 0, got {start}")
+        self._next = start
 
     def pick(self, candidates: Sequence[K], outstanding: Mapping[K, int]) -> K:
         n = len(candidates)
@@ -110,3 +118,12 @@ class LeastOutstanding:
         i = _pick_index(candidates, outstanding, self._next % n)
         self._next = i + 1
         return candidates[i]
+
+
+def process_rotation_start(identity: str) -> int:
+    """A rotation start for ``LeastOutstanding`` that differs between processes (a stable hash of
+    ``identity``, e.g. the pod's name and the process id), so pickers that cannot see each other's
+    counts do not start in lockstep."""
+    import zlib
+
+    return zlib.crc32(identity.encode()) & 0xFFFF

@@ -16,12 +16,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
 
 from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
+from easerve_runtime.policies.router import process_rotation_start
 from easerve_runtime.topology import PARTITION_GPU_ENV, local_prefill_in_encode
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
@@ -182,7 +184,7 @@ async def run_stage(
 
     async def pool(component: str, name: str) -> Pool:
         client = await runtime.endpoint(endpoint_path(ns, component)).client()
-        return Pool(client, name)
+        return Pool(client, name, rotation_start=process_rotation_start(f"{socket.gethostname()}:{os.getpid()}"))
 
     if stage == "frontend":
         return await _run_frontend(

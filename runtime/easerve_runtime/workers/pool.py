@@ -62,13 +62,14 @@ class StagePool(Protocol):
 class Pool:
     """Instances of one endpoint; ``stream(request)`` sends to the least-loaded live one."""
 
-    def __init__(self, client: Any, name: str, clock: Any = time.monotonic) -> None:
+    def __init__(self, client: Any, name: str, clock: Any = time.monotonic, rotation_start: int = 0) -> None:
         self.client = client
         self.name = name
         self.clock = clock
         self.outstanding: dict[int, int] = {}
         self._quarantine: dict[int, float] = {}
-        self._picker = LeastOutstanding()
+        # each process its own start: pools of different processes count only their own requests
+        self._picker = LeastOutstanding(rotation_start)
         self.watch_s = WATCH_S
         self.hung_s = HUNG_S
 
