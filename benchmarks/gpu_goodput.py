@@ -14,7 +14,7 @@ plot.
 
     # on the GPU machine, one call per group of systems (see docs/benchmarks.md, run 9):
     python3 benchmarks/gpu_goodput.py --out $OUT/serve --systems easerve-own-process,dynamo-style --rates 3.5,5.5
-    # anywhere, no GPU: the committed runs' merged summary (default: the newest run)
+    # anywhere, no GPU: the committed runs' merged summary (default: CURRENT_RUNS)
     python3 benchmarks/gpu_goodput.py --summary [--run run9] [--plot docs/img/gpu_goodput_run9.png]
 
 The baselines' configurations are ``gpu_serve.py``'s (its docstring says which); the aggregated
@@ -47,9 +47,17 @@ _RUN = re.compile(r"(?:gpu_serve_h200_(run\d+)([a-z]?)_300req|has_hardware_h200_
 PATTERNS = ("gpu_serve_h200_run*_300req.json", "has_hardware_h200_run*.json")
 
 
+CURRENT_RUNS = "run14,run15,run17"
+"""The committed runs of today's setup (one H200, the stages under MPS caps, the same serving code
+but for the partition wake-up and the pools' rotation starts): what ``--summary`` reads by default
+from ``benchmarks/results``. A later run only of plans and repeats (run 17) alone would compare a
+few systems at one rate."""
+
+
 def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]]:
-    """The parts of ``run`` (default: the newest run with 300-request points); ``run14,run15``
-    merges the parts of several runs of the same code and setup."""
+    """The parts of ``run`` (default: ``CURRENT_RUNS`` in the committed results, else the newest run
+    with 300-request points); ``run14,run15`` merges the parts of several runs of the same code and
+    setup."""
     found: dict[str, list[Path]] = {}
     for f in sorted(f for pat in PATTERNS for f in glob.glob(str(results / pat))):
         m = _RUN.search(f)
@@ -57,7 +65,8 @@ def run_files(run: str | None, results: Path = RESULTS) -> tuple[str, list[Path]
             found.setdefault(m.group(1) or m.group(3), []).append(Path(f))
     if not found:
         raise SystemExit(f"no {' or '.join(PATTERNS)} under {results}")
-    name = run or max(found, key=lambda r: int(r[3:]))
+    current = results.resolve() == RESULTS.resolve() and all(r in found for r in CURRENT_RUNS.split(","))
+    name = run or (CURRENT_RUNS if current else max(found, key=lambda r: int(r[3:])))
     missing = [r for r in name.split(",") if r not in found]
     if missing:
         raise SystemExit(f"--run {','.join(missing)}: runs on record are {', '.join(sorted(found))}")
@@ -150,7 +159,7 @@ def plot(summary: dict[str, Any], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--summary", action="store_true", help="merge the committed parts of one run; no GPU")
-    ap.add_argument("--run", default=None, help="which run (runN, or runN,runM to merge runs of the same code); default the newest")
+    ap.add_argument("--run", default=None, help="which run (runN, or runN,runM to merge runs of the same code); default the current setup's runs")
     ap.add_argument("--plot", default=None, help="with --summary: write the goodput-per-tier plot here")
     ap.add_argument("--results", default=str(RESULTS), help="with --summary: where the runs' JSON files are")
     args, rest = ap.parse_known_args(argv)

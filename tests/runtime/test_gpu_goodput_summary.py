@@ -99,3 +99,12 @@ def test_repeats_count_as_their_mean_and_runs_merge(tmp_path: Path) -> None:
     assert s["ratios"]["per_rate easerve/dynamo-style"] == {"7.0": round(6.1 / 6.4, 2)}
     assert "repeats_moderate" not in s["systems"]["dynamo-style"]
     assert summary("--results", str(tmp_path), "--run", "run42")["systems"]["easerve"]["goodput"]["moderate"]["7.0"] == 5.5
+
+
+def test_the_default_summary_reads_the_current_setups_runs_not_only_the_newest() -> None:
+    """Run 17 holds only plans and repeats at two rates: alone it would compare a few systems at one
+    rate, so the committed default is the current setup's runs merged."""
+    s = summary()
+    assert s["run"] == "run14,run15,run17"
+    assert {Path(f).name.split("_")[3][:5] for f in s["files"]} == {"run14", "run15", "run17"}
+    assert "best_over_rates easerve/aggregated" in s["ratios"]
