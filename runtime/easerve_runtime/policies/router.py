@@ -15,6 +15,7 @@ Hence s = 1 is always REMOTE, s = 0 always LOCAL, and the counts are exact for e
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from enum import StrEnum
 from typing import TypeVar
@@ -124,6 +125,4 @@ def process_rotation_start(identity: str) -> int:
     """A rotation start for ``LeastOutstanding`` that differs between processes (a stable hash of
     ``identity``, e.g. the pod's name and the process id), so pickers that cannot see each other's
     counts do not start in lockstep."""
-    import zlib
-
     return zlib.crc32(identity.encode()) & 0xFFFF
