@@ -518,8 +518,10 @@ def test_capacity_is_shared_among_the_frontends(monkeypatch: pytest.MonkeyPatch)
     whole = measured_capacity(c)
     monkeypatch.setenv(FRONTENDS_ENV, "4")
     assert measured_capacity(c) == pytest.approx(whole / 4)
-    monkeypatch.delenv(FRONTENDS_ENV)  # in pods: one frontend per encode replica
-    assert measured_capacity(c) == pytest.approx(whole / c.spec.allocation.encode.replicas)
+    monkeypatch.delenv(FRONTENDS_ENV)  # in pods: one frontend per encode pod the operator renders
+    from easerve_runtime.topology import frontends_for
+
+    assert measured_capacity(c) == pytest.approx(whole / frontends_for(c.spec))
 
 
 def test_a_finished_request_reads_its_encode_stream_to_the_end() -> None:

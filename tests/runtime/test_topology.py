@@ -11,7 +11,7 @@ from easerve_runtime.api import Allocation, SpecError, Stage, StageAllocation, l
 from easerve_runtime.sim.runner import cached_model
 from easerve_runtime.sim.twin import run_pipeline
 from easerve_runtime.sim.twin import topology as twin_topology
-from easerve_runtime.topology import Hardware, local_prefill_in_encode, plan
+from easerve_runtime.topology import Hardware, frontends_for, local_prefill_in_encode, plan
 from easerve_runtime.workers.launcher import plan as launcher_plan
 from easerve_runtime.workload import generate
 
@@ -62,6 +62,22 @@ def test_renderer_and_launcher_run_the_topologys_processes(path: Path) -> None:
         for lp in (p for p in procs if p.stage == Stage.LOCAL_PREFILL):
             assert set(lp.gpus) <= {g for p in procs if p.stage == Stage.ENCODE and p.pod == lp.pod for g in p.gpus}
         assert all(not p.gpus for p in procs if p.stage == Stage.FRONTEND)
+
+
+@pytest.mark.parametrize("path", DISAGGREGATED, ids=lambda p: p.stem)
+def test_each_frontend_admits_its_share_of_the_frontends_the_operator_renders(path: Path) -> None:
+    """The frontend runs in the encode pod; with local prefill of TP k an encode pod holds k encode
+    GPUs, so a frontend's share of the capacity is over the encode *pods* the operator renders, not
+    the encode GPUs (issue 13: counting GPUs halved a TP-2 trial's door and it refused 4x the twin)."""
+    for spec in _variants(path):
+        kids = render_children("x", "ns", "u", spec)
+        rendered = sum(
+            d["spec"]["replicas"] for d in kids if d["kind"] == "Deployment"
+            and any(c["name"] == "frontend" for c in d["spec"]["template"]["spec"]["containers"])
+        )
+        assert rendered >= 1 and frontends_for(spec) == rendered
+        if plan(spec).local_prefill_tp > 1:  # pods of several encode GPUs: fewer frontends than GPUs
+            assert frontends_for(spec) < spec.allocation.encode.replicas
 
 
 def test_launcher_wraps_gpus_onto_a_smaller_host() -> None:

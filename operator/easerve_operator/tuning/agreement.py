@@ -34,9 +34,9 @@ P99_TOLERANCE = 0.10
 def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> dict[str, float]:
     """The twin's figures for ``spec`` on the search's seeded workload."""
     from easerve_runtime.metrics import observed_quantile
-    from easerve_runtime.policies.admission import frontends_for
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
+    from easerve_runtime.topology import frontends_for
     from easerve_runtime.workload.generate import generate
 
     result = simulate_system(spec, generate(spec, rate, requests, seed), "easerve", cached_model(spec),

@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from easerve_runtime.api import EPDDeploymentSpec, LimitsSpec
+from easerve_runtime.api import LimitsSpec
 
 MIN_RETRY_AFTER_S = 1
 MAX_RETRY_AFTER_S = 60
@@ -147,11 +147,3 @@ def admission_queue(limits: LimitsSpec, capacity_rps: float) -> AdmissionQueue:
     frontend (``workers.frontend``) and the twin's front door (``sim.frontdoor``) both use."""
     bound = queue_bound(capacity_rps, limits.queue_seconds, limits.max_queued_requests)
     return AdmissionQueue(bound, capacity_rps, limits.queue_seconds, adaptive=limits.max_queued_requests is None)
-
-
-def frontends_for(spec: EPDDeploymentSpec) -> int:
-    """How many frontends share the deployment's capacity on Kubernetes: one per encode pod (one per
-    engine in aggregated mode). ``easerve serve`` runs one and says so (``EASERVE_FRONTENDS``)."""
-    if str(spec.mode) == "aggregated":
-        return max(1, spec.aggregated_engine.replicas(spec.gpu_budget))
-    return max(1, spec.allocation.encode.replicas)

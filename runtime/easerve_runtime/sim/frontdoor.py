@@ -11,7 +11,7 @@ of it, on exactly those trials.
 The bound is computed as the live frontend computes it (``workers.frontend.measured_capacity``):
 the spec's saturation rate (``profiles.capacity.saturation_rps``, the same profile file the pods
 read, not the twin's possibly recalibrated model), on ``host_gpus`` shared GPUs when given, split
-over ``frontends`` frontends (``policies.admission.frontends_for`` on Kubernetes; one under
+over ``frontends`` frontends (``topology.frontends_for``: one per encode pod on Kubernetes; one under
 ``easerve serve``). The queue itself is built by ``policies.admission.admission_queue``, as live.
 Requests are dealt to the frontends round-robin, as the kubelet harness's kube-proxy deals
 connections (a real kube-proxy in iptables mode picks at random). A refused request records the

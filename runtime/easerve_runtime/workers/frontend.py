@@ -37,7 +37,7 @@ from aiohttp import web
 
 from easerve_runtime.api import RuntimeConfig
 from easerve_runtime.metrics import Metrics
-from easerve_runtime.policies.admission import Admission, admission_queue, frontends_for
+from easerve_runtime.policies.admission import Admission, admission_queue
 from easerve_runtime.workers.openai import (
     ChatRequest,
     RequestError,
@@ -107,7 +107,7 @@ def measured_capacity(cfg: RuntimeConfig) -> float:
     on fewer host GPUs than the allocation places (``easerve serve`` sets ``EASERVE_SHARED_GPUS``),
     the rate of the pods time-slicing them."""
     from easerve_runtime.profiles.capacity import saturation_rps
-    from easerve_runtime.topology import SHARED_GPUS_ENV
+    from easerve_runtime.topology import SHARED_GPUS_ENV, frontends_for
 
     try:
         c = saturation_rps(cfg.spec, host_gpus=int(os.environ.get(SHARED_GPUS_ENV) or 0) or None)
