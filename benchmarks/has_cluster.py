@@ -142,6 +142,39 @@ def plot(res: dict[str, Any], up: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def reagree(d: dict[str, Any], rate: float, requests: int) -> list[dict[str, Any]]:
+    """A committed run's trials against the twin of the code checked out now (no cluster run).
+
+    The cluster's whole-run figures are recovered from the recorded ratios and twin values (cluster
+    = ratio x twin), then set against a fresh ``twin_prediction`` for the same candidate, rate,
+    requests and seed. Why: a twin fix changes only the prediction side, and a 10-minute search
+    would re-measure the cluster's side, which did not change, with new noise."""
+    from easerve_operator.tuning.agreement import P99_TOLERANCE, THROUGHPUT_TOLERANCE, twin_prediction
+    from easerve_operator.tuning.space import apply_candidate
+    from easerve_runtime.api import load_manifest
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from trial_local import candidate
+
+    base = load_manifest(str(EXAMPLE))[1]
+    rows = []
+    for t in d["up"]["tuning"]["trials"]:
+        if "agreement" not in t:
+            continue
+        old, a = t["twin"], t["agreement"]
+        live = {"throughput": a["throughput"] * old["throughput"], "ttftMean": a["ttftMean"] * old["ttftMean"],
+                "ttftP99": a["ttftP99"] * old["ttftP99Observed"]}
+        new = twin_prediction(apply_candidate(base, candidate(t["candidate"])), rate, requests, 1)
+        r = {"throughput": live["throughput"] / new["throughput"], "ttftP99": live["ttftP99"] / new["ttftP99Observed"],
+             "ttftMean": live["ttftMean"] / new["ttftMean"]}
+        rows.append({"trial": t["trial"], "candidate": t["candidate"], "ratios": {k: round(v, 4) for k, v in r.items()},
+                     "recorded_ratios": {k: round(v, 4) for k, v in a.items()},
+                     "refused": {"cluster_job": t["cluster"]["job"].get("failed"), "twin": new["refused"],
+                                 "twin_recorded": old.get("refused")},
+                     "within": abs(r["throughput"] - 1) <= THROUGHPUT_TOLERANCE and abs(r["ttftP99"] - 1) <= P99_TOLERANCE})
+    return rows
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--budget", type=int, default=6)
@@ -151,7 +184,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks" / "out")
     ap.add_argument("--summary", action="store_true", help="print the committed results/has_cluster*.json")
     ap.add_argument("--replot", type=Path, default=None, help="re-plot a has_cluster.json (no run)")
+    ap.add_argument("--reagree", type=Path, default=None,
+                    help="a has_cluster.json: its trials against the current code's twin (no run); --rate, --requests as run")
     args = ap.parse_args()
+    if args.reagree is not None:
+        print(json.dumps(reagree(json.loads(args.reagree.read_text()), args.rate, args.requests), indent=1))
+        return 0
     if args.summary:
         out = {p.name: json.loads(p.read_text())["result"] for p in sorted(RESULTS.glob("has_cluster*.json"))}
         print(json.dumps(out, indent=1))

@@ -50,20 +50,40 @@ def test_the_twin_refuses_what_the_bound_cannot_take_and_nothing_else(llava_spec
     assert sum(1 for r in door.records if r.error and r.error.startswith("429")) == refused
     # the requests refused at the door were the ones that would have waited longest
     assert door.summary["ttft_p99"] < open_door.summary["ttft_p99"]
-    # a fixed bound no burst reaches (spec.limits.maxQueuedRequests) admits all: the open door's run exactly
-    wide = _limits(llava_spec, max_queued_requests=10_000)
-    same = simulate_system(wide, over, "easerve", model, frontends=2)
-    assert same.stats["admission"]["refused"] == 0
-    assert [(r.first_token_s, r.finish_s) for r in same.records] == [
-        (r.first_token_s, r.finish_s) for r in open_door.records
-    ]
+    # a fixed bound no burst reaches (spec.limits.maxQueuedRequests) admits all, and then the bound
+    # plays no part: any wider one runs exactly the same (the frontends still route by their own counts)
+    wide = simulate_system(_limits(llava_spec, max_queued_requests=10_000), over, "easerve", model, frontends=2)
+    wider = simulate_system(_limits(llava_spec, max_queued_requests=10**6), over, "easerve", model, frontends=2)
+    assert wide.stats["admission"]["refused"] == 0 and wide.summary["completed"] == len(over)
+    assert [(r.first_token_s, r.finish_s) for r in wide.records] == [(r.first_token_s, r.finish_s) for r in wider.records]
 
 
 def test_below_capacity_the_door_changes_nothing(llava_spec):
     model = cached_model(llava_spec)
     light = generate(llava_spec, 0.3 * saturation_rps(llava_spec), 150, seed=9)
-    a = simulate_system(llava_spec, light, "easerve", model)
+    a = simulate_system(_limits(llava_spec, max_queued_requests=10**6), light, "easerve", model, frontends=2)
     b = simulate_system(llava_spec, light, "easerve", model, frontends=2)
     assert b.stats["admission"]["refused"] == 0
     assert a.summary["completed"] == b.summary["completed"] == 150
     assert [r.first_token_s for r in a.records] == [r.first_token_s for r in b.records]
+
+
+def test_each_frontend_routes_by_its_own_requests_as_the_live_ones_do(llava_spec):
+    """The live frontend picks the encode worker with the fewest of *its own* requests in flight
+    (``workers.pool.Pool``); k frontends see nothing of each other's. With the door modelled the twin
+    routes so too: each frontend's picks are balanced over the encode workers, the union need not be."""
+    from easerve_runtime.api import Allocation, StageAllocation
+
+    spec = llava_spec.model_copy(update={"allocation": Allocation(
+        encode=StageAllocation(replicas=4), prefill=StageAllocation(replicas=1, tensor_parallel=2),
+        decode=StageAllocation(replicas=1, tensor_parallel=2))})
+    spec = spec.model_copy(update={"offload": spec.offload.model_copy(update={"ratio": 1.0})})
+    model = cached_model(spec)
+    wide = _limits(spec, max_queued_requests=10**6)  # no refusals: only the routing differs
+    busy = generate(spec, 0.9 * saturation_rps(spec), 200, seed=5)
+    one = simulate_system(wide, busy, "easerve", model, frontends=1)
+    four = simulate_system(wide, busy, "easerve", model, frontends=4)
+    assert one.summary["completed"] == four.summary["completed"] == 200
+    # one frontend sees every request it sent; four, each blind to the others' requests, send some
+    # to an encoder another keeps busy: the same requests meet other queues
+    assert [r.first_token_s for r in one.records] != [r.first_token_s for r in four.records]

@@ -183,6 +183,9 @@ def run(args: argparse.Namespace) -> int:
     from easerve_operator.render.stages import stage_name
 
     result: dict[str, Any] = {"example": args.file, "name": name}
+    # SIGTERM (a `kill`, a CI step's timeout) must run the clean-up below like Ctrl-C does: by
+    # default it ends the process at once, leaving the operator and the pods' processes running
+    signal.signal(signal.SIGTERM, lambda _sig, _frame: sys.exit(128 + signal.SIGTERM))
     t0 = time.monotonic()
     _say("starting the local control plane (first run builds Kubernetes from Debian's source: minutes)")
     cluster = LocalCluster.start(set_env=True, discovery_etcd=True)
@@ -304,7 +307,8 @@ def run(args: argparse.Namespace) -> int:
                  f"({result['pods_cpu_cores']} cores), {result['pods_rss_mb']} MB resident")
         if args.keep_running:
             _say(f"up; export KUBECONFIG={cluster.kubeconfig}; frontend Service at {url}   (Ctrl-C to stop)")
-            signal.sigwait({signal.SIGINT, signal.SIGTERM})
+            while True:  # SIGINT raises KeyboardInterrupt, SIGTERM SystemExit (below): cleaned up either way
+                signal.pause()
         return 0
     finally:
         cluster.kubectl("delete", "epd", "--all", "--wait=true", "--timeout=60s")

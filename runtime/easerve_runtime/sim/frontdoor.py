@@ -37,6 +37,7 @@ class FrontDoor:
         self.queues = [admission_queue(spec.limits, cap) for _ in range(frontends)]
         self.capacity_rps = cap
         self._of: dict[int, AdmissionQueue] = {}
+        self._index: dict[int, int] = {}
         self._next = 0
 
     @property
@@ -50,14 +51,20 @@ class FrontDoor:
 
     def admit(self, job: Job, now: float) -> bool:
         """Deal ``job`` to the next frontend; False (and the job's error set) when refused."""
-        q = self.queues[self._next]
+        i = self._next
+        q = self.queues[i]
         self._next = (self._next + 1) % len(self.queues)
         decision = q.admit(now)
         if not decision.admitted:
             job.rec.error = f"{decision.status}: {decision.reason}"
             return False
         self._of[id(job)] = q
+        self._index[id(job)] = i
         return True
+
+    def frontend(self, job: Job) -> int:
+        """Which frontend admitted ``job`` (0 .. frontends - 1)."""
+        return self._index[id(job)]
 
     def first_token(self, job: Job) -> None:
         """The job's first token is out: it leaves its frontend's queue (and adapts the bound)."""

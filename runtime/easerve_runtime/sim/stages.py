@@ -356,6 +356,9 @@ class EncodeWorker(Busy):
         self.batches = 0
         self.batch_sum = 0
         self.items_sum = 0
+        self.profile_s = 0.0
+        """The profile's time of the micro-batches run (items, SM share), without the GPU's sharing:
+        ``busy_s / profile_s`` is the live encode counters' ``engine_over_profile``."""
         self.window_waits = 0
         self.member = member  # this GPU's rank within its local prefill worker's TP group
         if local is not None:
@@ -398,7 +401,9 @@ class EncodeWorker(Busy):
         items = sum(j.req.encoder_items for j in jobs)
         local_active = self.local is not None and bool(self.local.batch)
         share, dilation = self.shares.encode_share(items, local_active)
-        dt = self.timesliced(self.model.encode_s(items, share) * dilation) if items else 0.0
+        alone = self.model.encode_s(items, share) if items else 0.0
+        dt = self.timesliced(alone * dilation) if items else 0.0
+        self.profile_s += alone  # as the live worker's easerve_encode_profile_seconds_total
         self.busy = True
         self.batches += 1
         self.batch_sum += len(jobs)

@@ -4,8 +4,10 @@
 the layout the pods and ``easerve serve`` run: per encode pod its encode workers (each with its
 own batcher from ``make_batcher`` and, when ``offload.ratio < 1``, its own ``DeficitRouter``)
 and the one local prefill worker of TP k they share; the prefill and decode pods' workers. Then
-it replays a request list. The frontend spreads arrivals over encode workers by fewest
-outstanding (``LeastOutstanding``).
+it replays a request list. With ``frontends`` (the deployment's admission control modelled), each
+frontend spreads the requests it admitted over the encode workers as the live frontend does: by
+the fewest of its own requests in flight at each (``LeastOutstanding`` over its own counts, held
+until the request finishes). Without, one picker sees every encode worker's queue.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Any
 from easerve_runtime.api import EPDDeploymentSpec, PartitionMode, SpecError, Stage
 from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.post_encode import PostEncodeRouter
-from easerve_runtime.policies.router import LeastOutstanding
+from easerve_runtime.policies.router import LeastOutstanding, process_rotation_start
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.frontdoor import FrontDoor
 from easerve_runtime.sim.latency import StageModel
@@ -168,10 +170,29 @@ def run_pipeline(
             loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
     else:
         handoff.on_first_token = door.first_token
+        # each frontend picks the encode worker as the live one does (``workers.pool.Pool``): by the
+        # fewest of *its own* requests in flight there (picked until the stream ends), its rotation
+        # started at its own place (``process_rotation_start``); it sees nothing of the others'
+        pickers = [LeastOutstanding(process_rotation_start(f"frontend-{i}")) for i in range(frontends)]
+        own: list[dict[str, int]] = [dict.fromkeys(names, 0) for _ in range(frontends)]
+        sent: dict[int, tuple[int, str]] = {}
+
+        def finished(job: Job) -> None:
+            i, name = sent.pop(id(job))
+            own[i][name] -= 1
+
+        handoff.on_finish = finished
+
+        def dispatch(job: Job) -> None:
+            i = door.frontend(job)
+            name = pickers[i].pick(names, own[i])
+            own[i][name] += 1
+            sent[id(job)] = (i, name)
+            by_name[name].on_arrival(job)
 
         def knock(job: Job) -> None:
             if door.admit(job, loop.now):
-                loop.at(loop.now + model.request_path_s, arrive, job)
+                loop.at(loop.now + model.request_path_s, dispatch, job)
 
         for job in jobs:
             loop.at(job.req.arrival_s, knock, job)
@@ -220,6 +241,7 @@ def run_pipeline(
         },
         "encode_batches": enc_batches,
         "mean_encode_batch": (sum(e.batch_sum for e in encoders) / enc_batches) if enc_batches else 0.0,
+        "encode_over_profile": (sum(e.busy_s for e in encoders) / prof) if (prof := sum(e.profile_s for e in encoders)) else None,
         "embedding_transfers": sum(e.transfers for e in encoders),
         "embedding_bytes": sum(e.transfer_bytes for e in encoders),
         "prefill_batches": sum(p.batches for p in remote + locals_),
