@@ -307,6 +307,69 @@ def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
     return out
 
 
+PREFILL_SERIES = {
+    "easerve_prefill_batches_total": "batches",
+    "easerve_prefill_batch_requests_total": "requests",
+    "easerve_prefill_engine_seconds_total": "engine_s",
+    "easerve_prefill_profile_seconds_total": "profile_s",
+    "easerve_prefill_queue_wait_seconds_total": "queue_wait_s",
+}
+"""The prefill workers' own series (remote ``prefill`` and ``local-prefill``, by their ``stage``
+label), which a point's ``prefill`` block is the difference of."""
+
+
+def prefill_metrics(workdir: Path) -> dict[str, float]:
+    """The prefill series of every process of the run (a local prefill hosted in an encode process
+    reports there), summed per ``stage`` label: keys ``<stage>/<name>``.
+
+    Why: run 17's encode counters showed the twin charges the encoder as measured, yet its TTFT p50
+    read 1.4-1.85x the GPU's; what lies between the encoder and the first token had no counter."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        procs = json.loads((workdir / "wd" / "processes.json").read_text())["processes"]
+    except (OSError, ValueError, KeyError):
+        return {}
+    out: dict[str, float] = {}
+    for p in procs:
+        if not p.get("system_port"):
+            continue
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{p['system_port']}/metrics", timeout=5) as r:
+                text = r.read().decode()
+        except OSError:
+            continue
+        for fam in text_string_to_metric_families(text):
+            for sample in fam.samples:
+                if sample.name in PREFILL_SERIES:
+                    key = f"{sample.labels.get('stage', '?')}/{PREFILL_SERIES[sample.name]}"
+                    out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+def prefill_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
+    """One point's prefill workers per stage from two ``prefill_metrics`` reads: batches, requests
+    per batch, the engine's time per batch against the profile's for the same batches, the queue wait."""
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out: dict[str, Any] = {}
+    for stage in sorted({k.split("/", 1)[0] for k in d}):
+        n = d.get(f"{stage}/batches", 0.0)
+        if n <= 0:
+            continue
+        reqs = d.get(f"{stage}/requests", 0.0)
+        row: dict[str, Any] = {"batches": int(n), "requests": int(reqs), "requests_per_batch": round(reqs / n, 2),
+                               "engine_ms_per_batch": round(d.get(f"{stage}/engine_s", 0.0) / n * 1e3, 2),
+                               "profile_ms_per_batch": round(d.get(f"{stage}/profile_s", 0.0) / n * 1e3, 2)}
+        if d.get(f"{stage}/profile_s"):
+            row["engine_over_profile"] = round(d[f"{stage}/engine_s"] / d[f"{stage}/profile_s"], 3)
+        if reqs:
+            row["queue_wait_ms_mean"] = round(d.get(f"{stage}/queue_wait_s", 0.0) / reqs * 1e3, 2)
+        out[stage] = row
+    return out
+
+
 def encode_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, Any]:
     """One point's encode stage from two ``worker_metrics`` reads: micro-batches, their mean size,
     the engine's time per batch against what the served profile predicts for the same batches, and
@@ -431,12 +494,15 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
                 time.sleep(0.5)  # the decode loop wrote its idle statistics
                 before = decode_stats(stats_dir)
                 enc_before = worker_metrics(workdir)
+                pre_before = prefill_metrics(workdir)
                 rep = bench_point(srv.url, spec_path, rate, args.requests, 1, env)
                 time.sleep(STATS_SETTLE_S)
                 loop = decode_breakdown(before, decode_stats(stats_dir))
                 enc = encode_breakdown(enc_before, worker_metrics(workdir))
-                runs["points"].append({"rate": rate, **rep, "decode_loop": loop, "encode": enc})
+                pre = prefill_breakdown(pre_before, prefill_metrics(workdir))
+                runs["points"].append({"rate": rate, **rep, "decode_loop": loop, "encode": enc, "prefill": pre})
                 log(f"{system}: rate {rate}: encode {enc}")
+                log(f"{system}: rate {rate}: prefill {pre}")
                 log(f"{system}: rate {rate}: decode loop {loop}")
                 g = rep.get("goodput", {})
                 log(f"{system}: rate {rate}: throughput {rep.get('throughput')} goodput {g} "

@@ -73,9 +73,11 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
         # warm-up, not recorded (the trial's warm-up is cut too)
         gpu_serve.bench_point(srv.url, f, rate * speedup, 8, 99, env, client=gpu_serve.SIM_CLIENT)
         before = gpu_serve.worker_metrics(work)
+        pre_before = gpu_serve.prefill_metrics(work)
         log(f"{label}: {requests} requests at {rate:g} req/s (model time; {rate * speedup:g} wall)")
         rep = gpu_serve.bench_point(srv.url, f, rate * speedup, requests, 1, env, client=gpu_serve.SIM_CLIENT)
         enc = gpu_serve.encode_breakdown(before, gpu_serve.worker_metrics(work))
+        pre = gpu_serve.prefill_breakdown(pre_before, gpu_serve.prefill_metrics(work))
     finally:
         srv.stop()
     res = simulate_system(spec, generate(spec, rate, requests, 1), "easerve", cached_model(spec), frontends=1)
@@ -87,7 +89,8 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
             "failed": int(res.stats.get("admission", {}).get("refused", 0))}
     ratios = {key: round(live[key] / twin[key], 3) for key in ("throughput", "ttft_mean", "ttft_p50", "ttft_p99") if twin[key]}
     return {"candidate": label, "served": {key: round(v, 4) for key, v in live.items()},
-            "twin": {key: round(v, 4) for key, v in twin.items()}, "served_over_twin": ratios, "encode": enc}
+            "twin": {key: round(v, 4) for key, v in twin.items()}, "served_over_twin": ratios, "encode": enc,
+            "prefill": pre}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:

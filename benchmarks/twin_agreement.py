@@ -451,6 +451,46 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
             "grid": [{k: g[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")} for g in grid]}
 
 
+def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
+    """The encoder, twin against GPU, at every capped point that carries the encode workers' own
+    counters (run 17 on): the engine's time per micro-batch over the profile's for the same batches
+    (``encode.engine_over_profile``; the twin's ``stats.encode_over_profile``), requests per batch,
+    and the point's P99 TTFT beside them.
+
+    Why: run 17 read the encoder at 2.0-3.2x its profile beside decode under MPS, and the question
+    was whether the twin charges that (then a P99 miss lies elsewhere) or not (then the encoder's
+    co-run is the fix)."""
+    import math
+
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    rows = []
+    with tempfile.TemporaryDirectory() as t:
+        for system, spec, p, host in mps_points(profile, cpu_pre, runs_glob, Path(t)):
+            enc = p.get("encode") or {}
+            if not enc.get("engine_over_profile"):
+                continue
+            reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
+            res = simulate_system(spec, reqs, "easerve", host_gpus=host, mps_caps=mps_caps_of(system))
+            twin = float(res.stats.get("encode_over_profile") or 0.0)
+            rows.append({"system": system, "rate": p["rate"],
+                         "encode_over_profile": {"gpu": enc["engine_over_profile"], "twin": round(twin, 3)},
+                         "requests_per_batch": {"gpu": enc.get("requests_per_batch"),
+                                                "twin": round(float(res.stats.get("mean_encode_batch") or 0.0), 2)},
+                         "prefill_over_profile": {
+                             st: {"gpu": (p.get("prefill") or {}).get(st, {}).get("engine_over_profile"),
+                                  "twin": None if v["over_profile"] is None else round(float(v["over_profile"]), 3)}
+                             for st, v in (res.stats.get("prefill") or {}).items()},
+                         "ttft_p99": {"gpu": round(p["ttft"]["p99"], 4), "twin": round(float(res.summary["ttft"]["p99"]), 4)},
+                         "ttft_p50": {"gpu": round(p["ttft"]["p50"], 4), "twin": round(float(res.summary["ttft"]["p50"]), 4)}})
+    if not rows:
+        raise SystemExit(f"--encode-check: no capped point with encode counters in {runs_glob}")
+    err = [abs(math.log(r["encode_over_profile"]["twin"] / r["encode_over_profile"]["gpu"])) for r in rows]
+    return {"bench": "twin_agreement", "mode": "encode-check",
+            "mean_abs_log_error_encode_over_profile": round(sum(err) / len(err), 4), "points": rows}
+
+
 def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
     """The capped points, GPU against the twin at the constants in code (fit points and held-out
     ones); the grid's best beside them is in the JSON."""
@@ -498,7 +538,12 @@ def main() -> int:
     p.add_argument("--mps-fit", action="store_true",
                    help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
                         "the rest held out); prints the grid and the best point")
+    p.add_argument("--encode-check", action="store_true",
+                   help="the encoder's time per micro-batch over its profile's, twin against the encode counters (run 17 on)")
     args = p.parse_args()
+    if args.encode_check:
+        print(json.dumps(encode_check(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
+        return 0
     if args.mps_fit:
         fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
         print(json.dumps(fit, indent=1))

@@ -180,6 +180,30 @@ class Metrics:
             ["stage", "status"],
             registry=r,
         )
+        # Prefill (remote and local, by stage): where a request's time between encode and its first
+        # token goes, against the latency profile (as the encode counters above)
+        self.prefill_batches = Counter(
+            f"{PREFIX}_prefill_batches", "Prefill batches run.", ["stage"], registry=r
+        )
+        self.prefill_batch_requests = Counter(
+            f"{PREFIX}_prefill_batch_requests", "Requests of the prefill batches run, summed.", ["stage"], registry=r
+        )
+        self.prefill_engine_seconds = Counter(
+            f"{PREFIX}_prefill_engine_seconds", "Engine time of the prefill batches, summed.", ["stage"], registry=r
+        )
+        self.prefill_profile_seconds = Counter(
+            f"{PREFIX}_prefill_profile_seconds",
+            "What the latency profile predicts for the prefill batches run (their tokens, prompts, TP and SM "
+            "share), summed: easerve_prefill_engine_seconds over it is how far prefill is from its profile.",
+            ["stage"],
+            registry=r,
+        )
+        self.prefill_queue_wait_seconds = Counter(
+            f"{PREFIX}_prefill_queue_wait_seconds",
+            "Time the batched requests waited in the prefill queue (received to batch taken), summed.",
+            ["stage"],
+            registry=r,
+        )
         self.decode_batch_size = Histogram(
             f"{PREFIX}_decode_batch_size", "Sequences per decode step.", buckets=BATCH_BUCKETS, registry=r
         )

@@ -24,10 +24,12 @@ def test_a_point_carries_its_encode_batches_from_the_workers_metrics(tmp_path: P
     try:
         srv.wait(120)
         before = gpu_serve.worker_metrics(tmp_path)
+        pre_before = gpu_serve.prefill_metrics(tmp_path)
         assert before.get("batches") == 0.0  # both encode replicas answered, nothing encoded yet
         rep = gpu_serve.bench_point(srv.url, SPEC, 4.0, 12, 3, dict(os.environ), client=gpu_serve.SIM_CLIENT)
         assert rep["completed"] == 12, rep.get("errors")
         enc = gpu_serve.encode_breakdown(before, gpu_serve.worker_metrics(tmp_path))
+        pre = gpu_serve.prefill_breakdown(pre_before, gpu_serve.prefill_metrics(tmp_path))
     finally:
         srv.stop()
     # every request was encoded once, in micro-batches of at most the spec's bound (8)
@@ -37,3 +39,9 @@ def test_a_point_carries_its_encode_batches_from_the_workers_metrics(tmp_path: P
     assert enc["engine_ms_per_batch"] > 0 and enc["profile_ms_per_batch"] > 0
     assert abs(enc["engine_over_profile"] - enc["engine_ms_per_batch"] / enc["profile_ms_per_batch"]) < 0.01
     assert enc["queue_wait_ms_mean"] >= 0
+    # and each was prefilled once, remote or local (the example offloads a share), each worker's
+    # batches priced by the same profile the twin reads
+    assert pre and set(pre) <= {"prefill", "local-prefill"}
+    assert sum(row["requests"] for row in pre.values()) == 12
+    for row in pre.values():
+        assert row["engine_ms_per_batch"] > 0 and row["profile_ms_per_batch"] > 0 and row["queue_wait_ms_mean"] >= 0

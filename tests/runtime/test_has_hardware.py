@@ -179,3 +179,21 @@ def test_the_mps_fit_counts_a_repeated_point_once_as_the_mean_of_its_repeats(tmp
     raw = [json.loads((results / f).read_text())["systems"]["easerve:e1p0d1:b6:s0+mps85"]["points"] for f in files]
     goodputs = [q["goodput"]["moderate"] for pts_ in raw for q in pts_ if q["rate"] == 7.0]
     assert p["goodput"]["moderate"] == pytest.approx(sum(goodputs) / len(goodputs))
+
+
+def test_the_encode_check_sets_the_twins_encoder_beside_the_encode_counters() -> None:
+    """``twin_agreement.py --encode-check``: every capped point of run 17 whose encode counters
+    survive the merge of repeats gets the twin's own ``encode_over_profile`` and requests per batch
+    for the same requests, beside the GPU's."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    rep = ta.encode_check(results / "engine_profile_h200_llava7b.json",
+                          results / "engine_profile_h200_llava7b_cpu_preprocess.json",
+                          str(results / "gpu_serve_h200_run17*_300req.json"))
+    pts = rep["points"]
+    assert pts and all("+mps" in r["system"] for r in pts)
+    for r in pts:
+        assert r["encode_over_profile"]["gpu"] > 1.0 and r["encode_over_profile"]["twin"] > 1.0  # shared GPU
+        assert r["requests_per_batch"]["twin"] >= 1.0
+    assert rep["mean_abs_log_error_encode_over_profile"] >= 0.0

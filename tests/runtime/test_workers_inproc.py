@@ -107,14 +107,15 @@ def png_part() -> dict[str, Any]:
     return part_to_wire(MediaPart("image", png(336, 336), "image/png", {"height": 336, "width": 336}))
 
 
-async def drive(n: int, s: EPDDeploymentSpec, max_tokens: int = 3, gap: float = 0.0005) -> dict[str, Any]:
+async def drive(n: int, s: EPDDeploymentSpec, max_tokens: int = 3, gap: float = 0.0005,
+                profile_cost: Any = None) -> dict[str, Any]:
     prof = FakeProfile()
     eng = SimEngine(prof, speedup=1.0, bytes_scale=1.0)
     m = Metrics()
     decode_workers = {10: DecodeWorker(eng, m), 11: DecodeWorker(eng, m)}
     decode_pool = FakePool({k: w.generate for k, w in decode_workers.items()}, "decode")
-    remote = PrefillWorker(eng, m, decode_pool)
-    local = PrefillWorker(eng, m, decode_pool, stage="local-prefill")
+    remote = PrefillWorker(eng, m, decode_pool, profile_cost=profile_cost)
+    local = PrefillWorker(eng, m, decode_pool, stage="local-prefill", profile_cost=profile_cost)
     remote_pool = FakePool({1: remote.generate}, "prefill")
     local_pool = FakePool({2: local.generate}, "local prefill")
     enc = EncodeWorker(s, eng, m, remote_pool, local_pool)
@@ -170,6 +171,34 @@ def test_same_host_blobs_carry_the_envelopes_and_leave_nothing(tmp_path: Path, m
     sends = out["remote"].sent + out["local"].sent
     assert sends and all("buffer_blob" in msg and "buffer" not in msg for _, msg in sends)
     assert list((tmp_path / "blobs").iterdir()) == []
+
+
+def test_prefill_workers_count_their_batches_against_the_profile() -> None:
+    """Each prefill worker (remote and local, by stage) counts its batches, their requests, the
+    engine's time, the profile's time for the same batches and the queue wait: the served runs'
+    ``prefill`` block (``gpu_serve.prefill_breakdown``), set against the twin's own."""
+    calls: list[tuple[int, int, float]] = []
+
+    def cost(tokens: int, prompts: int, share: float) -> float:
+        calls.append((tokens, prompts, share))
+        return 0.001 * prompts
+
+    out = asyncio.run(drive(24, spec(), profile_cost=cost))
+    m = out["m"]
+
+    def total(counter: Any, stage: str) -> float:
+        return sum(x.value for x in counter.collect()[0].samples
+                   if x.name.endswith("_total") and x.labels.get("stage") == stage)
+
+    routes = [items[-1]["route"] for items in out["results"]]
+    for stage, route in (("prefill", "remote"), ("local-prefill", "local")):
+        assert total(m.prefill_batch_requests, stage) == routes.count(route) > 0
+        assert 1 <= total(m.prefill_batches, stage) <= routes.count(route)
+        assert total(m.prefill_engine_seconds, stage) > 0 and total(m.prefill_queue_wait_seconds, stage) >= 0
+    assert sum(p for _, p, _ in calls) == len(routes)  # every batch priced once, by its prompts
+    profiled = total(m.prefill_profile_seconds, "prefill") + total(m.prefill_profile_seconds, "local-prefill")
+    assert profiled == pytest.approx(0.001 * len(routes))
+    assert all(tokens == prompts * (10 + 576) for tokens, prompts, _ in calls)
 
 
 def test_all_remote_when_ratio_one() -> None:

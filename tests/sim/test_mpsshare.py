@@ -96,3 +96,16 @@ def test_the_calibrated_constants_switch_the_saturation_rule_off() -> None:
     m.occupy("encode/0", 1.0)
     m.occupy("prefill/0", 1.0)
     assert m.dilation("decode/0", "decode") == pytest.approx((1 + mpsshare.DECODE_CORUN) * (1 + mpsshare.CONTENTION))
+
+
+
+def test_the_twin_reports_the_encoders_time_over_the_profile_as_the_live_counters_do(llava_spec, toy_model) -> None:
+    """``stats.encode_over_profile`` is the live ``engine_over_profile`` (the encode workers'
+    counters, run 17 on): 1 on GPUs of their own, above 1 when the encoder shares its GPU with
+    decode under MPS caps (the cap's SM curve and the contention)."""
+    reqs = generate(llava_spec, 2.0, 120, seed=3)
+    caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+    own = simulate_system(llava_spec, reqs, "easerve", toy_model)
+    shared = simulate_system(llava_spec, reqs, "easerve", toy_model, host_gpus=1, mps_caps=caps)
+    assert own.stats["encode_over_profile"] == pytest.approx(1.0)
+    assert shared.stats["encode_over_profile"] > 1.0

@@ -241,15 +241,18 @@ class PrefillWorker(Busy):
         self._version = 0
         self.batches = 0
         self.tokens_sum = 0
+        self.requests_sum = 0
+        self.profile_s = 0.0
+        """The profile's time of the batches run, without the GPU's sharing: ``busy_s / profile_s`` is
+        the live prefill counters' ``engine_over_profile``."""
         self.members: dict[int, tuple[float, float]] = {}
         self.sliced = 1.0
         """The batch in flight's time-slicing factor, fixed when it starts (``Busy.timesliced``)."""
 
     def _duration(self) -> float:
-        n = len(self.batch)
         if self.local:
-            return self.model.local_prefill_s(self.tokens, self.share, n, self.tp) * self.dilation * self.sliced
-        return self.model.prefill_s(self.tokens, self.tp, 1.0, n) * self.sliced
+            return self._alone() * self.dilation * self.sliced
+        return self._alone() * self.sliced
 
     @property
     def token_budget(self) -> int:
@@ -268,9 +271,18 @@ class PrefillWorker(Busy):
         self.batch, self.tokens = batch, tokens
         self.batches += 1
         self.tokens_sum += tokens
+        self.requests_sum += len(batch)
         self._frac_left = 1.0
         self.sliced = self.ts.dilation(self.proc, self.work) if self.ts is not None else 1.0
+        self.profile_s += self._alone()  # as the live worker's easerve_prefill_profile_seconds
         self._schedule()
+
+    def _alone(self) -> float:
+        """The profile's time of the batch in flight at its SM share, without the GPU's sharing."""
+        n = len(self.batch)
+        if self.local:
+            return self.model.local_prefill_s(self.tokens, self.share, n, self.tp)
+        return self.model.prefill_s(self.tokens, self.tp, 1.0, n)
 
     def _schedule(self) -> None:
         """(Re)time the batch in flight from its remaining fraction at the current share."""

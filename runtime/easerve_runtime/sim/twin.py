@@ -242,6 +242,14 @@ def run_pipeline(
         "encode_batches": enc_batches,
         "mean_encode_batch": (sum(e.batch_sum for e in encoders) / enc_batches) if enc_batches else 0.0,
         "encode_over_profile": (sum(e.busy_s for e in encoders) / prof) if (prof := sum(e.profile_s for e in encoders)) else None,
+        "prefill": {
+            stage: {
+                "batches": sum(p.batches for p in ws),
+                "requests_per_batch": sum(p.requests_sum for p in ws) / max(1, sum(p.batches for p in ws)),
+                "over_profile": (sum(p.busy_s for p in ws) / pp) if (pp := sum(p.profile_s for p in ws)) else None,
+            }
+            for stage, ws in (("local-prefill", locals_), ("prefill", remote)) if ws
+        },
         "embedding_transfers": sum(e.transfers for e in encoders),
         "embedding_bytes": sum(e.transfer_bytes for e in encoders),
         "prefill_batches": sum(p.batches for p in remote + locals_),

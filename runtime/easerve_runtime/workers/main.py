@@ -24,7 +24,7 @@ from typing import Any
 from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.router import process_rotation_start
-from easerve_runtime.topology import PARTITION_GPU_ENV, local_prefill_in_encode
+from easerve_runtime.topology import PARTITION_GPU_ENV, local_prefill_in_encode, plan
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
     COMPONENT_ENCODE,
@@ -139,6 +139,17 @@ says which GPUs' records this worker uses: one index, or a comma list for a loca
 worker spanning several encode GPUs (default 0)."""
 
 
+def _prefill_tp(spec: EPDDeploymentSpec, stage: str) -> int:
+    """The TP of a prefill worker of ``stage``: the remote pool's from the allocation, a local one's
+    from the layout (its encode pod's GPUs); 1 when the layout cannot be read here."""
+    if stage == "prefill":
+        return int(spec.allocation.prefill.tensor_parallel)
+    try:
+        return int(plan(spec).local_prefill_tp)
+    except (ValueError, OSError, KeyError):
+        return 1
+
+
 def partition_link(spec: EPDDeploymentSpec, stage: str) -> Any:
     """The shm link to the pod's partition controller(s), for encode and local prefill when partitioned."""
     if stage not in ("encode", "local-prefill") or not spec.has_local_prefill:
@@ -215,7 +226,7 @@ async def run_stage(
         component = COMPONENT_DECODE
         worker = DecodeWorker.for_spec(spec, engine, metrics)
     elif stage in ("prefill", "local-prefill"):
-        from easerve_runtime.workers.prefill import PrefillWorker
+        from easerve_runtime.workers.prefill import PrefillWorker, profile_prefill
 
         component = COMPONENT_PREFILL if stage == "prefill" else local_prefill_component(key)
         decode_pool = await pool(COMPONENT_DECODE, "decode")
@@ -226,6 +237,7 @@ async def run_stage(
             stage=stage,
             max_batch_tokens=spec.prefill.max_batch_tokens,
             partition=link,
+            profile_cost=profile_prefill(spec, _prefill_tp(spec, stage)),
         )
     else:
         from easerve_runtime.workers.encode import EncodeWorker
@@ -235,7 +247,7 @@ async def run_stage(
         local: Any = None
         if hosted:
             from easerve_runtime.workers.pool import InProcessPool
-            from easerve_runtime.workers.prefill import PrefillWorker
+            from easerve_runtime.workers.prefill import PrefillWorker, profile_prefill
 
             local_worker = PrefillWorker(
                 local_engine,
@@ -244,6 +256,7 @@ async def run_stage(
                 stage="local-prefill",
                 max_batch_tokens=spec.prefill.max_batch_tokens,
                 partition=partition_link(spec, "local-prefill"),
+                profile_cost=profile_prefill(spec, _prefill_tp(spec, "local-prefill")),
             )
             local = InProcessPool(local_worker)
         elif s < 1:

@@ -47,7 +47,11 @@ class PrefillWorker:
         max_batch_tokens: int = PrefillSpec().max_batch_tokens,
         sm_share: Callable[[], float] | None = None,
         partition: PartitionLink | None = None,
+        profile_cost: Callable[[int, int, float], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``profile_cost(tokens, prompts, share)``: the latency profile's time for a batch on this
+        worker (``profile_prefill``), for ``easerve_prefill_profile_seconds``; None: not counted."""
         self.engine = engine
         self.metrics = metrics
         self.decode = decode
@@ -55,6 +59,9 @@ class PrefillWorker:
         self.batcher: PrefillBatcher[Pending] = PrefillBatcher(max_batch_tokens)
         self.sm_share = sm_share or (lambda: 1.0)
         self.partition = partition
+        self.profile_cost = profile_cost
+        self.clock = clock
+        self._received_at: dict[str, float] = {}
         self._arrival = asyncio.Event()
         self._tasks: set[asyncio.Task[None]] = set()
         self._handoffs: dict[str, asyncio.Task[None]] = {}
@@ -109,6 +116,7 @@ class PrefillWorker:
                 self._rows[meta["id"]] = arrays[meta["id"]]
             self.batcher.add((meta, q), int(meta["text_tokens"]) + int(meta["mm_tokens"]))
             self._queued.add(str(meta["id"]))
+            self._received_at[str(meta["id"])] = self.clock()
         self._inflight += len(metas)
         self._gauges()
         self._arrival.set()
@@ -134,6 +142,16 @@ class PrefillWorker:
         elif rid in self._queued:
             self._cancelled.add(rid)
 
+    def _count_batch(self, inputs: list[PrefillInput], share: float, engine_s: float, waited_s: float) -> None:
+        m, st = self.metrics, self.stage
+        m.prefill_batches.labels(st).inc()
+        m.prefill_batch_requests.labels(st).inc(len(inputs))
+        m.prefill_engine_seconds.labels(st).inc(engine_s)
+        m.prefill_queue_wait_seconds.labels(st).inc(max(0.0, waited_s))
+        if self.profile_cost is not None:
+            tokens = sum(i.text_tokens + i.mm_tokens for i in inputs)
+            m.prefill_profile_seconds.labels(st).inc(self.profile_cost(tokens, len(inputs), share))
+
     def _gauges(self) -> None:
         self.metrics.queue_depth.labels(self.stage).set(self.batcher.pending)
         self.metrics.inflight.labels(self.stage).set(self._inflight)
@@ -145,10 +163,13 @@ class PrefillWorker:
                 await self._arrival.wait()
                 continue
             batch, _tokens = self.batcher.take()
+            taken = self.clock()
+            waits = {str(m["id"]): taken - self._received_at.pop(str(m["id"]), taken) for m, _ in batch}
             if self._cancelled:
                 batch = self._drop_cancelled(batch)
                 if not batch:
                     continue
+            waited = sum(waits[str(m["id"])] for m, _ in batch)
             self._gauges()
             inputs = [
                 PrefillInput(
@@ -158,6 +179,7 @@ class PrefillWorker:
                 for m, _ in batch
             ]
             share = await self.partition.granted(len(inputs)) if self.partition is not None else self.sm_share()
+            t0 = self.clock()
             try:
                 outs = await self.engine.prefill(inputs, share)
             except Exception as exc:
@@ -167,6 +189,7 @@ class PrefillWorker:
                 for m, q in batch:
                     q.put_nowait({"id": m["id"], "error": f"{self.stage} failed: {exc}"})
                 continue
+            self._count_batch(inputs, share, self.clock() - t0, waited)
             if self.partition is not None and not self.batcher:
                 self.partition.idle()
             for (meta, q), out in zip(batch, outs, strict=True):
@@ -285,3 +308,23 @@ class PrefillWorker:
         self.metrics.kv_handoff_bytes.inc(len(kv))
         self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
         return n
+
+
+def profile_prefill(spec: Any, tp: int) -> Callable[[int, int, float], float] | None:
+    """``prefill_s(tokens, share, tp, prompts)`` of the spec's latency profile for a worker of TP
+    ``tp``, or None when none loads (then the profile counter is not kept)."""
+    try:
+        from easerve_runtime.profiles import spec_profile
+
+        prof = spec_profile(spec)
+    except (ValueError, OSError, KeyError) as exc:
+        log.info("no latency profile for the prefill counters: %s", exc)
+        return None
+
+    def cost(tokens: int, prompts: int, share: float) -> float:
+        try:
+            return float(prof.prefill_s(tokens, share, tp, max(1, prompts)))
+        except ValueError:
+            return 0.0
+
+    return cost
