@@ -55,6 +55,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -272,13 +273,10 @@ ENCODE_SERIES = {
 """The encode workers' own series that a point's ``encode`` block is the difference of."""
 
 
-def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
-    """The encode workers' counters summed over the replicas of ``stage``, read from each one's
-    ``/metrics`` (the Dynamo system port in ``processes.json``). Empty when none answers.
-
-    Why: the decode loop writes its own statistics, but what a request spent before its first
-    token (the batcher's wait, the encoder's time per micro-batch against its profile) was not
-    in the points, so a TTFT the twin misses could not be placed (run 16, docs/benchmarks.md)."""
+def _samples(workdir: Path, stage: str | None = None) -> Iterator[Any]:
+    """Every sample of the ``/metrics`` of the run's processes (the Dynamo system port in
+    ``processes.json``), of those of ``stage`` only when given; a process that does not answer is
+    skipped, and a run with no ``processes.json`` yields nothing."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -286,10 +284,9 @@ def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
     try:
         procs = json.loads((workdir / "wd" / "processes.json").read_text())["processes"]
     except (OSError, ValueError, KeyError):
-        return {}
-    out: dict[str, float] = {}
+        return
     for p in procs:
-        if p.get("stage") != stage or not p.get("system_port"):
+        if (stage is not None and p.get("stage") != stage) or not p.get("system_port"):
             continue
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{p['system_port']}/metrics", timeout=5) as r:
@@ -297,13 +294,24 @@ def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
         except OSError:
             continue
         for fam in text_string_to_metric_families(text):
-            for sample in fam.samples:
-                if sample.name in ENCODE_SERIES:
-                    key = ENCODE_SERIES[sample.name]
-                    out[key] = out.get(key, 0.0) + float(sample.value)
-                elif sample.name == "easerve_encode_dispatch_total":
-                    key = f"dispatch_{sample.labels.get('reason', '?')}"
-                    out[key] = out.get(key, 0.0) + float(sample.value)
+            yield from fam.samples
+
+
+def worker_metrics(workdir: Path, stage: str = "encode") -> dict[str, float]:
+    """The encode workers' counters summed over the replicas of ``stage``. Empty when none answers.
+
+    Why: the decode loop writes its own statistics, but what a request spent before its first
+    token (the batcher's wait, the encoder's time per micro-batch against its profile) was not
+    in the points, so a TTFT the twin misses could not be placed (run 16, docs/benchmarks.md)."""
+    out: dict[str, float] = {}
+    for sample in _samples(workdir, stage):
+        if sample.name in ENCODE_SERIES:
+            key = ENCODE_SERIES[sample.name]
+        elif sample.name == "easerve_encode_dispatch_total":
+            key = f"dispatch_{sample.labels.get('reason', '?')}"
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 
@@ -324,28 +332,11 @@ def prefill_metrics(workdir: Path) -> dict[str, float]:
 
     Why: run 17's encode counters showed the twin charges the encoder as measured, yet its TTFT p50
     read 1.4-1.85x the GPU's; what lies between the encoder and the first token had no counter."""
-    import urllib.request
-
-    from prometheus_client.parser import text_string_to_metric_families
-
-    try:
-        procs = json.loads((workdir / "wd" / "processes.json").read_text())["processes"]
-    except (OSError, ValueError, KeyError):
-        return {}
     out: dict[str, float] = {}
-    for p in procs:
-        if not p.get("system_port"):
-            continue
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{p['system_port']}/metrics", timeout=5) as r:
-                text = r.read().decode()
-        except OSError:
-            continue
-        for fam in text_string_to_metric_families(text):
-            for sample in fam.samples:
-                if sample.name in PREFILL_SERIES:
-                    key = f"{sample.labels.get('stage', '?')}/{PREFILL_SERIES[sample.name]}"
-                    out[key] = out.get(key, 0.0) + float(sample.value)
+    for sample in _samples(workdir):
+        if sample.name in PREFILL_SERIES:
+            key = f"{sample.labels.get('stage', '?')}/{PREFILL_SERIES[sample.name]}"
+            out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 
