@@ -371,6 +371,52 @@ def test_sim_cost_scale_slows_only_the_stage_it_names(monkeypatch: pytest.Monkey
             SimEngine(prof)
 
 
+def test_sim_engine_pays_back_what_a_busy_host_made_its_sleeps_overrun() -> None:
+    """A sleep that returns late (a busy host) is paid back from the stage's next sleeps, so the
+    stage is busy for what its profile says; a stall is not caught up beyond MAX_DEBT_S. Clock and
+    sleep are injected: the host's lateness is played, nothing is timed."""
+    import easerve_runtime.engines.sim as sim
+
+    now = [0.0]
+    asked: list[float] = []
+    late = [0.004]
+
+    async def sleep(s: float) -> None:
+        asked.append(s)
+        now[0] += s + late[0]
+
+    class SlowerProfile(FakeProfile):  # steps longer than the host's lateness
+        def decode_step_s(self, batch: int, context: float, **kw: Any) -> float:
+            return 0.02
+
+    prof = SlowerProfile()
+    eng = SimEngine(prof, speedup=2.0, bytes_scale=0.01, clock=lambda: now[0], sleep=sleep)
+    step = prof.decode_step_s(1, 101.0) / 2.0
+    seqs = [DecodeSequence("a", 100, 4, seed=7, generated=[1])]
+
+    async def steps(n: int) -> None:
+        for _ in range(n):
+            await eng.decode_step(seqs)
+
+    asyncio.run(steps(10))
+    assert asked[0] == pytest.approx(step)
+    assert asked[1:] == [pytest.approx(step - 0.004)] * 9  # each pays back the one before's overrun
+    assert now[0] == pytest.approx(10 * step + 0.004)  # ten steps busy for ten profile steps, plus the last's lateness
+    # another stage carries no debt of decode's
+    asked.clear()
+    asyncio.run(eng.prefill([PrefillInput("p", 100, 0, seed=1)]))
+    assert asked == [pytest.approx(prof.prefill_s(100, 1.0, sequences=1) / 2.0)]
+    # a stall (one sleep 2 s late) is paid back only up to MAX_DEBT_S
+    asked.clear()
+    late[0] = 2.0
+    asyncio.run(steps(1))
+    late[0] = 0.0
+    t0 = now[0]
+    asyncio.run(steps(100))
+    assert sum(asked[1:]) == pytest.approx(100 * step - sim.MAX_DEBT_S)
+    assert now[0] - t0 == pytest.approx(100 * step - sim.MAX_DEBT_S)
+
+
 def test_partition_link_reads_the_controllers_split(tmp_path: Path) -> None:
     from easerve_runtime.partition.record import (
         ControlRecord,
