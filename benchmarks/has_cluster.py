@@ -99,7 +99,9 @@ def analyse(up: dict[str, Any], wall: float, pick: dict[str, Any], objective: st
         "agreement": [{"trial": t["trial"], "candidate": t["candidate"], **t["agreement"],
                        # refused at the door: the load Job's failures against the twin's (sim.frontdoor)
                        "failed": {"cluster_job": t["cluster"]["job"].get("failed"), "twin": t["twin"].get("refused")},
-                       "crosscheck": t["cluster"]["crosscheck"]} for t in trials],
+                       "crosscheck": t["cluster"]["crosscheck"],
+                       # each stage's busy time over its profile's (model time; 1.0 = as profiled)
+                       "engine_over_profile": t.get("engineOverProfile")} for t in trials],
         "max_abs_err": {k: round(max(abs((t["agreement"][k] or 0) - 1) for t in trials), 4)
                         for k in ("throughput", "ttftP99", "ttftMean")} if trials else {},
         "pick": {"cluster": {k: best.get(k) for k in ("allocation", "batchBound", "offloadRatio")},

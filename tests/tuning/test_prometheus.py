@@ -118,6 +118,21 @@ def test_figures_from_series_hand_computed():
     assert g.ttft.quantiles["p99"] == pytest.approx(1.0 + (22.275 - 15.0) / 7.5)
     m = f.to_trial_metrics(cost_s=7.0)
     assert (m.throughput, m.completed, m.cost_s) == (2.0, 30, 7.0)
+    assert f.engine_over_profile == {}  # no engine counters scraped: no figure, not a zero
+    # each stage's engine time over its profile's over the window, summed over pods; prefill by stage
+    stages = [
+        _series("easerve_encode_batch_seconds_sum", {"pod": "e1"}, [(10.0, 0.0), (30.0, 3.0)]),
+        _series("easerve_encode_batch_seconds_sum", {"pod": "e2"}, [(10.0, 0.0), (30.0, 1.0)]),
+        _series("easerve_encode_profile_seconds_total", {"pod": "e1"}, [(10.0, 0.0), (30.0, 2.0)]),
+        _series("easerve_encode_profile_seconds_total", {"pod": "e2"}, [(10.0, 0.0), (30.0, 2.0)]),
+        _series("easerve_prefill_engine_seconds_total", {"stage": "prefill"}, [(10.0, 0.0), (30.0, 5.0)]),
+        _series("easerve_prefill_profile_seconds_total", {"stage": "prefill"}, [(10.0, 0.0), (30.0, 10.0)]),
+        _series("easerve_prefill_engine_seconds_total", {"stage": "local-prefill"}, [(10.0, 0.0), (30.0, 1.0)]),
+        _series("easerve_prefill_profile_seconds_total", {"stage": "local-prefill"}, [(10.0, 0.0), (30.0, 0.0)]),
+    ]
+    h = figures_from_series(series + stages, 10.0, 25.0)
+    assert h.engine_over_profile == {"encode": pytest.approx(1.0), "prefill": pytest.approx(0.5)}  # no profile time: none
+    assert h.to_dict()["engine_over_profile"] == h.engine_over_profile
     with pytest.raises(ValueError, match="end > start"):
         figures_from_series(series, 5.0, 5.0)
 
@@ -245,6 +260,10 @@ def test_prometheus_figures_agree_with_the_bench_report(tmp_path: Path) -> None:
         assert f.completed == rep["completed"] == f.ttft.count == f.tpot.count
         assert f.throughput == pytest.approx(rep["throughput"], rel=0.03)
         assert set(f.goodput) == set(rep["goodput"])
+        # the engines' busy time against their profile: a sim engine at speed-up 4 sleeps a quarter
+        # of the profile's time (a late return is paid back from the next sleep, so not less)
+        assert set(f.engine_over_profile) >= {"encode"}, f.engine_over_profile
+        assert all(v >= 0.95 / 4 for v in f.engine_over_profile.values()), f.engine_over_profile
         for tier, v in rep["goodput"].items():
             assert f.goodput[tier] == pytest.approx(v, rel=0.03)
         # percentiles: a histogram resolves a value to its bucket. TPOT's buckets are coarse (1.3-2x):

@@ -134,6 +134,7 @@ def _tuning_summary(tu: dict[str, Any], spec: Any, requests: int) -> dict[str, A
             a = trial_agreement(spec, d, rate, requests)
             t["twin"] = a["twin"]
             t["agreement"] = a["ratios"]
+            t["engineOverProfile"] = (d.get("prometheusWholeRun") or {}).get("engineOverProfile")
         trials.append({k: v for k, v in t.items() if v is not None})
     best = tu.get("best") or {}
     return {

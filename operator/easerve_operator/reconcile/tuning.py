@@ -311,6 +311,9 @@ def trial_detail(rec: Any, last: Mapping[str, Any] | None, trials_on: str) -> di
             "goodput": {t: float(v) / k for t, v in (whole.get("goodput") or {}).items()},
             "ttftMean": None if ttft.get("mean") is None else float(ttft["mean"]) * k,
             "ttftP99": None if (ttft.get("quantiles") or {}).get("p99") is None else float(ttft["quantiles"]["p99"]) * k,
+            # each stage's busy time over its profile's, in model time (a sim engine at speed-up k
+            # sleeps 1/k of it): 1.0 is as profiled, above it the host made the stage slower
+            "engineOverProfile": {st: round(float(v) * k, 4) for st, v in (whole.get("engine_over_profile") or {}).items()},
         }
         d["cluster"] = {
             "name": last.get("name"),

@@ -58,10 +58,15 @@ from easerve_operator.tuning.runners import TrialMetrics
 REQUESTS = "easerve_requests_total"
 GOODPUT = "easerve_goodput_requests_total"
 HISTOGRAMS = {"ttft": "easerve_ttft_seconds", "tpot": "easerve_tpot_seconds"}
+ENGINE_VS_PROFILE = {  # engine seconds, the profile's seconds for the same batches (label ``stage`` for prefill)
+    "encode": ("easerve_encode_batch_seconds_sum", "easerve_encode_profile_seconds_total"),
+    "prefill": ("easerve_prefill_engine_seconds_total", "easerve_prefill_profile_seconds_total"),
+}
 _NAMES = (
     REQUESTS,
     GOODPUT,
     *(f"{h}_{part}" for h in HISTOGRAMS.values() for part in ("bucket", "sum", "count")),
+    *(n for pair in ENGINE_VS_PROFILE.values() for n in pair),
 )
 NAME_REGEX = "|".join(re.escape(n) for n in _NAMES)
 
@@ -224,6 +229,10 @@ class PromFigures:
     tpot: Distribution
     series: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    engine_over_profile: dict[str, float] = field(default_factory=dict)
+    """Per stage (encode; prefill and local-prefill by their ``stage`` label): the engine's busy
+    seconds over the profile's seconds for the same batches, summed over the deployment's pods.
+    1.0 is a stage running as profiled; a sim engine at speed-up k reads 1/k."""
 
     @property
     def window_s(self) -> float:
@@ -254,6 +263,7 @@ class PromFigures:
             "ttft": self.ttft.to_dict(),
             "tpot": self.tpot.to_dict(),
             "series": self.series,
+            "engine_over_profile": dict(self.engine_over_profile),
             **self.extra,
         }
 
@@ -310,8 +320,13 @@ def figures_from_series(
     dur = end - start
     done = failed = 0.0
     goodput: dict[str, float] = {}
+    busy: dict[str, list[float]] = {}  # stage -> [engine seconds, profile seconds]
     for labels, inc in incs:
         metric = labels.get("__name__")
+        for kind, (engine_name, profile_name) in ENGINE_VS_PROFILE.items():
+            if metric in (engine_name, profile_name):
+                acc = busy.setdefault(labels.get("stage", kind) if kind == "prefill" else kind, [0.0, 0.0])
+                acc[0 if metric == engine_name else 1] += inc
         if metric == REQUESTS:
             if labels.get("status") == "ok":
                 done += inc
@@ -330,6 +345,7 @@ def figures_from_series(
         ttft=_distribution(HISTOGRAMS["ttft"], incs, quantiles),
         tpot=_distribution(HISTOGRAMS["tpot"], incs, quantiles),
         series=len(series),
+        engine_over_profile={st: e / prof for st, (e, prof) in sorted(busy.items()) if prof > 0},
     )
 
 
