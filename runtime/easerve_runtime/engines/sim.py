@@ -168,11 +168,17 @@ class SimEngine:
         the modelled system. So each stage keeps its overrun as a debt, capped at `MAX_DEBT_S`
         (a pause of seconds is not caught up in a burst), and the next sleep is that much
         shorter: over a run the stage is busy for what its profile says. The late return itself
-        still delays the request it ends, as it would on a host that slow."""
+        still delays the request it ends, as it would on a host that slow.
+
+        Only a stage's engine work (``stage`` named: one batch at a time) keeps a debt; the KV
+        transfers (no stage) run concurrently, one per request, and each sleeps its own time."""
         if seconds <= 0:
             return
         key = stage or ""
         target = seconds * self.cost_scale.get(key, 1.0) / self.speedup
+        if stage is None:
+            await (self._sleep or asyncio.sleep)(target)
+            return
         debt = self._debt.get(key, 0.0)
         t0 = self._clock()
         await (self._sleep or asyncio.sleep)(max(0.0, target - debt))
