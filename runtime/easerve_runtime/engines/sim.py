@@ -162,8 +162,8 @@ class SimEngine:
         """Sleep the modelled latency, paying back what earlier sleeps of this stage overran.
 
         A GPU's kernels take as long as they take whatever the host is doing; an ``asyncio.sleep``
-        returns late when the host's cores are busy (on the 2-core local cluster, 10-20 % late
-        for the encoder's short sleeps). Left alone, that lateness adds to every busy period and
+        returns late when the host's cores are busy (on the 2-core local cluster the encoder ran
+        4-20 % over its profile: its sleeps are the shortest). Left alone, that lateness adds to every busy period and
         the stage serves slower than its profile, which is a property of the test host, not of
         the modelled system. So each stage keeps its overrun as a debt, capped at `MAX_DEBT_S`
         (a pause of seconds is not caught up in a burst), and the next sleep is that much
