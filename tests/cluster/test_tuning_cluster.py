@@ -117,6 +117,10 @@ def test_the_operator_tunes_on_the_cluster_and_runs_the_result(pods_cluster: Pod
     for d in details:
         assert d["metricsSource"] == "prometheus" and d["state"] == "complete", d
         assert d["cluster"]["crosscheck"]["within3pct"], d["cluster"]["crosscheck"]
+        # each stage's engine time against its profile, from the scraped counters (model time): the
+        # sim engine pays back its late sleeps, so not below the profile's time (an early wake-up aside)
+        eop = d["prometheusWholeRun"]["engineOverProfile"]
+        assert "encode" in eop and all(v >= 0.95 for v in eop.values()), eop
         a = trial_agreement(spec, d, RATE, REQUESTS)
         agreement.append(a)
         print("agreement", json.dumps({k: a[k] for k in ("trial", "candidate", "ratios")}))

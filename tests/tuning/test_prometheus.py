@@ -269,14 +269,20 @@ def test_prometheus_figures_agree_with_the_bench_report(tmp_path: Path) -> None:
         # percentiles: a histogram resolves a value to its bucket. TPOT's buckets are coarse (1.3-2x):
         # the bench's client-side percentile lies in the estimate's bucket or a neighbouring one.
         # TTFT's are 9 % apart (TTFT_BUCKETS): the client adds its own HTTP/SSE and event-loop delay
-        # on a busy host (+77 ms on the mean here), so it may sit a few buckets higher, never lower
-        # by more than one; 4 buckets up is a factor of 1.41.
+        # on a busy host (+77 ms on the mean here), so it may sit a few buckets higher; 4 buckets up
+        # is a factor of 1.41. Lower by more than one bucket only at P99: histogram_quantile ranks at
+        # q*n (here the 238th of 240 values' bucket), the bench at q*(n-1) between the 237th and the
+        # 238th (numpy's rule), and with three slow requests on top of the rest those two values lie
+        # buckets apart (CI: the bench's 0.334 s against Prometheus's 0.406 s). No bound holds
+        # between two order statistics, so P99's lower side is not checked; P50's is.
         for name, bounds, up in (("ttft", TTFT_BUCKETS, 4), ("tpot", TPOT_BUCKETS, 1)):
             for q in ("p50", "p99"):
                 est = getattr(f, name).quantiles[q]
                 i = _bucket_index(est, bounds)
                 j = _bucket_index(rep[name][q], bounds)
-                assert -1 <= j - i <= up, (name, q, est, rep[name][q])
+                assert j - i <= up, (name, q, est, rep[name][q])
+                if q == "p50":
+                    assert j - i >= -1, (name, q, est, rep[name][q])
 
 
 def _bucket_index(v: float, bounds: tuple[float, ...]) -> int:
