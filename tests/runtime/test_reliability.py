@@ -415,6 +415,23 @@ class SilentClient:
         return gen()
 
 
+def test_every_process_ranks_the_instances_alike() -> None:
+    """Dynamo's client lists instance ids in an order of its own per process; the pool sorts them,
+    so pickers with the same rotation start (every encode worker's remote-prefill pick, as in the
+    twin) make the same picks whatever order their clients gave."""
+
+    class Listed:
+        def __init__(self, ids: list[int]) -> None:
+            self.ids = ids
+
+        def instance_ids(self) -> list[int]:
+            return list(self.ids)
+
+    a, b = Pool(Listed([9, 3, 5]), "prefill"), Pool(Listed([5, 9, 3]), "prefill")
+    assert a.instances() == b.instances() == [3, 5, 9]
+    assert [a.pick() for _ in range(4)] == [b.pick() for _ in range(4)] == [3, 5, 9, 3]
+
+
 def test_hung_instance_that_leaves_discovery_fails_its_streams() -> None:
     client = SilentClient()
     pool = Pool(client, "decode")
