@@ -11,7 +11,9 @@ roll-outs, load Jobs, Prometheus scores, the best deployed and served), then rea
   (``tuning.agreement``: throughput within 5 %, P99 TTFT within 10 %, like with like), and of
   Prometheus with the load Job's own report (3 %);
 - **the pick** against ``easerve tune --backend sim`` for the same spec (same allocation, goodput at
-  the objective tier within 5 %).
+  the objective tier within 5 %);
+- **the host's CPU** by role while each trial's load Job ran (``host_cpu.HostSampler``): which
+  processes shared the two cores with the trial (``host_cpu_by_trial``; ``cores`` 2.0 is both busy).
 
 Prints one JSON object; writes ``--out``/has_cluster.json and a PNG (per-trial throughput and P99
 TTFT, cluster vs twin; the phases' time). ``--summary`` prints the committed results instead.
@@ -200,9 +202,13 @@ def main() -> int:
         d = json.loads(args.replot.read_text())
         plot(d["result"], d["up"], args.replot.with_suffix(".png"))
         return 0
-    up, wall = run_up(args.budget, args.requests, args.speedup, args.rate)
+    from host_cpu import HostSampler
+
+    with HostSampler() as host:
+        up, wall = run_up(args.budget, args.requests, args.speedup, args.rate)
     pick = sim_pick(args.budget, args.requests, args.rate)
     res = analyse(up, wall, pick, "moderate")
+    res["host_cpu_by_trial"] = host.by_trial()  # CPU seconds by role while each trial's load Job ran
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "has_cluster.json").write_text(json.dumps({"result": res, "up": up, "sim": pick}, indent=1))
     plot(res, up, args.out / "has_cluster.png")

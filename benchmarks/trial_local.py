@@ -9,7 +9,8 @@ mapped back to the model's time as the kube runner maps a trial; beside it, the 
 candidate and requests with one frontend's admission (``easerve serve`` runs one frontend; a trial
 runs one per encode pod). If a gap shows here too, its cause is in the serving path, not in the
 cluster's machinery (the kubelet harness, kube-proxy, Prometheus). Each point also carries the
-encode workers' own figures (``gpu_serve.encode_breakdown``). Measured on this host's CPUs.
+encode workers' own figures (``gpu_serve.encode_breakdown``) and the serving processes' CPU over the
+measured requests by role (``host_cpu_s``: ``host_cpu.tree_cpu``). Measured on this host's CPUs.
 
     python benchmarks/trial_local.py "6E-0P(tp2)-1D(tp2) B=1 s=0" "2E-2P(tp2)-1D(tp2) B=2 s=0.7"   # ~75 s each
     python benchmarks/trial_local.py --speedup 1 "6E-0P(tp2)-1D(tp2) B=1 s=0"                      # host time once
@@ -58,6 +59,7 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
     from easerve_runtime.workload.generate import generate
+    from host_cpu import tree_cpu
 
     spec = apply_candidate(load_manifest(str(EXAMPLE))[1], candidate(label))
     work = Path(tempfile.mkdtemp(prefix="trial-local-"))
@@ -74,8 +76,10 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
         gpu_serve.bench_point(srv.url, f, rate * speedup, 8, 99, env, client=gpu_serve.SIM_CLIENT)
         before = gpu_serve.worker_metrics(work)
         pre_before = gpu_serve.prefill_metrics(work)
+        cpu_before = tree_cpu(srv.proc.pid)
         log(f"{label}: {requests} requests at {rate:g} req/s (model time; {rate * speedup:g} wall)")
         rep = gpu_serve.bench_point(srv.url, f, rate * speedup, requests, 1, env, client=gpu_serve.SIM_CLIENT)
+        cpu = {r: round(v - cpu_before.get(r, 0.0), 2) for r, v in tree_cpu(srv.proc.pid).items()}
         enc = gpu_serve.encode_breakdown(before, gpu_serve.worker_metrics(work))
         pre = gpu_serve.prefill_breakdown(pre_before, gpu_serve.prefill_metrics(work))
     finally:
@@ -90,7 +94,8 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
     ratios = {key: round(live[key] / twin[key], 3) for key in ("throughput", "ttft_mean", "ttft_p50", "ttft_p99") if twin[key]}
     return {"candidate": label, "served": {key: round(v, 4) for key, v in live.items()},
             "twin": {key: round(v, 4) for key, v in twin.items()}, "served_over_twin": ratios, "encode": enc,
-            "prefill": pre}
+            "prefill": pre, "host_cpu_s": {"by_role": cpu, "total": round(sum(cpu.values()), 2),
+                                           "per_request_ms": round(1e3 * sum(cpu.values()) / requests, 1)}}
 
 
 def plot(out: dict[str, Any], path: Path) -> None:
