@@ -77,9 +77,10 @@ class Pool:
         """Live instance ids in id order, quarantined ones excluded.
 
         Sorted because Dynamo's client lists them in an order of its own per process (a hash map's:
-        four processes watching the same four instances saw three different orders). Pickers that
-        each count only their own requests (every encode worker's remote-prefill pick, every
-        frontend's encode pick) start their rotation at a position in this list. In a per-process
+        three processes watching the same four instances saw two or three orders,
+        ``benchmarks/instance_order.py``). Pickers that each count only their own requests (every
+        encode worker's remote-prefill pick, every frontend's encode pick) start their rotation at
+        a position in this list. In a per-process
         order, whether two encode workers pick in step or out of step was a coin toss per
         deployment, which moved a trial's P99 TTFT by up to 19 % against the twin (whose workers
         share one order). In id order every process ranks the instances alike, as the twin does."""
