@@ -319,3 +319,15 @@ def test_easerve_serve_refuses_a_bad_mps_share_before_starting_anything(capsys: 
     assert cli.main(["-f", path, "--mps-share", "encoder=85"]) == 2
     err = capsys.readouterr().err
     assert "--mps-share" in err and "'encoder=85'" in err and "EASERVE_MPS_SHARES" in err
+
+
+def test_a_plan_never_hands_out_one_port_twice() -> None:
+    """``free_port`` probes random ports that are free now but not reserved; the ones a plan already
+    gave go in ``taken``, so a small range is used up port by port and then refused."""
+    from easerve_runtime.workers.launcher import free_port
+
+    taken: set[int] = set()
+    ports = [free_port(20000, 20003, taken=taken) for _ in range(4)]
+    assert sorted(ports) == [20000, 20001, 20002, 20003] and taken == set(ports)
+    with pytest.raises(RuntimeError, match="no free port"):
+        free_port(20000, 20003, taken=taken)

@@ -83,20 +83,27 @@ class Proc:
     restarts: int = 0
 
 
-def free_port(lo: int = 20000, hi: int = 32767) -> int:
-    """A free TCP port on 127.0.0.1 in [lo, hi].
+def free_port(lo: int = 20000, hi: int = 32767, taken: set[int] | None = None) -> int:
+    """A free TCP port on 127.0.0.1 in [lo, hi], not one of ``taken``.
 
     Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer, so ephemeral ports (>= 32768) are
-    rejected; we probe random ports below that instead of asking the kernel for one.
+    rejected; we probe random ports below that instead of asking the kernel for one. A probed port
+    is free now but not reserved: a plan that hands out several passes the ones it already gave
+    (``taken``, which this adds to), or two of its processes could draw the same port (it did:
+    one plan in a CI run, 7 system ports of which 6 distinct).
     """
     rng = random.Random()
     for _ in range(200):
         port = rng.randint(lo, hi)
+        if taken is not None and port in taken:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            if taken is not None:
+                taken.add(port)
             return port
     raise RuntimeError(f"no free port in [{lo}, {hi}]")
 
@@ -139,6 +146,7 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
     topo = topology_plan(spec, hardware)
     procs: list[Proc] = []
     count: dict[str, int] = {}
+    taken = {http_port}  # every port this plan hands out, so that no two processes share one
     for pod, replica, p, gpus in topo.placed():
         gpus_per_pod = max(1, pod.node_gpus)
         stage = str(p.stage)
@@ -146,12 +154,12 @@ def plan(spec: EPDDeploymentSpec, http_port: int, hardware: Hardware | None = No
         count[stage] = index + 1
         http = None
         if p.http_port is not None:
-            http = http_port if stage in ENTRY and index == 0 else free_port()
+            http = http_port if stage in ENTRY and index == 0 else free_port(taken=taken)
         procs.append(
             Proc(
                 stage,
                 index,
-                free_port() if p.system_port is not None else None,
+                free_port(taken=taken) if p.system_port is not None else None,
                 http,
                 pod=replica,
                 name=p.name,
