@@ -132,8 +132,8 @@ def plot(out: dict[str, Any], path: Path) -> None:
     for ax, (label, by_seed) in zip(axes[0], rows.items(), strict=True):
         seeds = sorted(by_seed, key=int)
         xs = range(len(seeds))
-        ax.bar([x - 0.2 for x in xs], [by_seed[s]["in_step"]["ttft_p99"] for s in seeds], 0.4, label="in step (id order)")
-        ax.bar([x + 0.2 for x in xs], [by_seed[s]["out_of_step"]["ttft_p99"] for s in seeds], 0.4, label="out of step")
+        for shift, key, name in ((-0.2, "in_step", "in step (id order)"), (0.2, "out_of_step", "out of step")):
+            ax.bar([x + shift for x in xs], [by_seed[s][key]["ttft_p99"] for s in seeds], 0.4, label=name)
         ax.set_xticks(list(xs), [f"seed {s}" for s in seeds])
         ax.set(ylabel="P99 TTFT (s, twin)", title=label)
         ax.grid(alpha=0.3, axis="y")

@@ -163,12 +163,12 @@ class SimEngine:
 
         A GPU's kernels take as long as they take whatever the host is doing; an ``asyncio.sleep``
         returns late when the host's cores are busy (on the 2-core local cluster the encoder ran
-        4-20 % over its profile: its sleeps are the shortest). Left alone, that lateness adds to every busy period and
-        the stage serves slower than its profile, which is a property of the test host, not of
-        the modelled system. So each stage keeps its overrun as a debt, capped at `MAX_DEBT_S`
-        (a pause of seconds is not caught up in a burst), and the next sleep is that much
-        shorter: over a run the stage is busy for what its profile says. The late return itself
-        still delays the request it ends, as it would on a host that slow.
+        4-20 % over its profile: its sleeps are the shortest). Left alone, that lateness adds to
+        every busy period and the stage serves slower than its profile, which is a property of the
+        test host, not of the modelled system. So each stage keeps its overrun as a debt, capped
+        at `MAX_DEBT_S` (a pause of seconds is not caught up in a burst), and the next sleep is
+        that much shorter: over a run the stage is busy for what its profile says. The late return
+        itself still delays the request it ends, as it would on a host that slow.
 
         Only a stage's engine work (``stage`` named: one batch at a time) keeps a debt; the KV
         transfers (no stage) run concurrently, one per request, and each sleeps its own time."""

@@ -83,27 +83,31 @@ class Proc:
     restarts: int = 0
 
 
+_HANDED_OUT: set[int] = set()
+"""Every port ``free_port`` has returned in this process (when no ``taken`` set is given)."""
+
+
 def free_port(lo: int = 20000, hi: int = 32767, taken: set[int] | None = None) -> int:
-    """A free TCP port on 127.0.0.1 in [lo, hi], not one of ``taken``.
+    """A free TCP port on 127.0.0.1 in [lo, hi], never one already in ``taken``, which it joins.
 
     Dynamo parses DYN_SYSTEM_PORT as a signed 16-bit integer, so ephemeral ports (>= 32768) are
     rejected; we probe random ports below that instead of asking the kernel for one. A probed port
-    is free now but not reserved: a plan that hands out several passes the ones it already gave
-    (``taken``, which this adds to), or two of its processes could draw the same port (it did:
-    one plan in a CI run, 7 system ports of which 6 distinct).
+    is free now but not reserved: two calls before either port is bound could draw the same one
+    (a CI run did: one plan, 7 system ports of which 6 distinct). So every port handed out goes in
+    ``taken``: by default this process's own set (every caller at once), or a plan's own set.
     """
+    taken = _HANDED_OUT if taken is None else taken
     rng = random.Random()
     for _ in range(200):
         port = rng.randint(lo, hi)
-        if taken is not None and port in taken:
+        if port in taken:
             continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            if taken is not None:
-                taken.add(port)
+            taken.add(port)
             return port
     raise RuntimeError(f"no free port in [{lo}, {hi}]")
 

@@ -80,10 +80,10 @@ class Pool:
         three processes watching the same four instances saw two or three orders,
         ``benchmarks/instance_order.py``). Pickers that each count only their own requests (every
         encode worker's remote-prefill pick, every frontend's encode pick) start their rotation at
-        a position in this list. In a per-process
-        order, whether two encode workers pick in step or out of step was a coin toss per
-        deployment, which moved a trial's P99 TTFT by up to 19 % against the twin (whose workers
-        share one order). In id order every process ranks the instances alike, as the twin does."""
+        a position in this list. In a per-process order, whether two encode workers pick in step
+        or out of step was a coin toss per deployment, which moved a trial's P99 TTFT by up to
+        19 % against the twin (whose workers share one order). In id order every process ranks
+        the instances alike, as the twin does."""
         now = self.clock()
         ids = sorted(self.client.instance_ids())
         if self._quarantine:
