@@ -301,3 +301,19 @@ def test_prefill_on_a_gpu_keeps_sdpa_off_cudnn_unless_asked(monkeypatch: pytest.
         assert prefer_flash_prefill("cuda:0") is True and not torch.backends.cuda.cudnn_sdp_enabled()
     finally:
         torch.backends.cuda.enable_cudnn_sdp(before)
+
+
+def test_a_decodes_kv_share_does_not_depend_on_what_its_neighbours_loaded_first() -> None:
+    """kvMemoryFraction is per instance (vLLM's meaning): the same decode gets the same KV whether
+    its card-mates started before or after it, and never more than is free on the card."""
+    from easerve_runtime.engines.hf import KV_FREE_HEADROOM_BYTES, kv_budget_bytes
+
+    gib = 2**30
+    total, own = 80 * gib, 15 * gib
+    alone = kv_budget_bytes(0.45, total, free=total - own, own=own)
+    after_neighbours = kv_budget_bytes(0.45, total, free=total - own - 30 * gib, own=own)
+    assert alone == after_neighbours == 0.45 * total - own
+    # a card the neighbours have filled gives what it has, less the headroom
+    crowded = kv_budget_bytes(0.45, total, free=10 * gib, own=own)
+    assert crowded == 10 * gib - KV_FREE_HEADROOM_BYTES
+    assert kv_budget_bytes(0.1, total, free=total - own, own=own) < 0  # weights alone exceed the share

@@ -1254,12 +1254,13 @@ class HFDecodeEngine(_Stage):
         import torch
 
         # spec.decode.kvMemoryFraction has vLLM's gpu_memory_utilization meaning (the same figure the
-        # twin's decode admission uses): this process may fill that share of the device's memory,
-        # weights and what is already allocated included; on a CPU, that share of what is available.
-        # The staging buffers come out of the same budget, one slot's size each, never the last slot.
+        # twin's decode admission uses), per instance: see kv_budget_bytes. On a CPU, that share of
+        # what is available. The staging buffers come out of the same budget, one slot's size each,
+        # never the last slot.
         if self.device.startswith("cuda"):
-            free, total = torch.cuda.mem_get_info(torch.device(self.device))
-            budget = fraction * total - (total - free)
+            dev = torch.device(self.device)
+            free, total = torch.cuda.mem_get_info(dev)
+            budget = kv_budget_bytes(fraction, total, free, torch.cuda.memory_reserved(dev))
         else:
             free = budget = fraction * _mem_available()
         units = int(max(0.0, budget) // self.slot_bytes)
@@ -1571,6 +1572,26 @@ class HFDecodeEngine(_Stage):
         if not batch:
             return []
         return await asyncio.to_thread(self._step_sync, batch)
+
+
+KV_FREE_HEADROOM_BYTES = 2**30
+"""What the decode's KV leaves free on the card, at most: room for the first activations of the
+processes that share it."""
+
+
+def kv_budget_bytes(fraction: float, total: int, free: int, own: int,
+                    headroom: int = KV_FREE_HEADROOM_BYTES) -> float:
+    """Bytes of KV a decode process may allocate on a card of ``total`` bytes.
+
+    ``spec.decode.kvMemoryFraction`` is a per-instance share, as vLLM's gpu_memory_utilization is:
+    this process's own allocations (``own``: its weights, what its allocator holds) plus its KV
+    fill at most ``fraction`` of the card, whatever other processes hold there. Counting the
+    others' memory instead made the KV depend on start order when pods share a card: on one
+    H100 a decode that started after its encode and prefill neighbours got 8 slots of 4096
+    tokens and served 3.9 of 5.5 req/s offered; one that started first got 36. The share is
+    also never more than is free now, less ``headroom``: a card that others have filled gives
+    what it has (and the engine fails with a clear error when that is not one slot)."""
+    return min(fraction * total - own, free - headroom)
 
 
 def _mem_available() -> int:
