@@ -41,10 +41,19 @@ REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results"
 EASERVE = ("easerve", "easerve-own-process")
 BASELINES = ("dynamo-style", "aggregated")
-_RUN = re.compile(r"(?:gpu_serve_h200_(run\d+)([a-z]?)_300req|has_hardware_h200_(run\d+)([a-z]?))\.json$")
-"""A run's parts: ``gpu_serve.py``'s own sweeps, and the deploys of ``has_hardware.py`` (the same
-``gpu_serve.py`` runs at 300 requests a point, from run 10 on)."""
-PATTERNS = ("gpu_serve_h200_run*_300req.json", "has_hardware_h200_run*.json")
+_RUN = re.compile(r"(?:gpu_serve_h[12]00_(run\d+)([a-z]?)_300req|has_hardware_h200_(run\d+)([a-z]?))\.json$")
+"""A run's parts: ``gpu_serve.py``'s own sweeps (on an H200 up to run 17, on an H100 in run 18), and
+the deploys of ``has_hardware.py`` (the same ``gpu_serve.py`` runs at 300 requests a point, from
+run 10 on)."""
+PATTERNS = ("gpu_serve_h200_run*_300req.json", "gpu_serve_h100_run*_300req.json", "has_hardware_h200_run*.json")
+
+EXCLUDED: dict[tuple[str, str], str] = {
+    ("gpu_serve_h100_run18b_300req.json", name): "its decode sized its KV after its card-mates had loaded "
+    "(kvMemoryFraction counted their memory until 0263c49): 8 KV slots where the same spec gets 39"
+    for name in ("dynamo-style:e1p1d1+mps85", "easerve:e1p0d1:b6:s0+mps85", "easerve:e1p0d1:b1:s0+mps85")
+}
+"""Points on record that measured something else, by (file, system), with why. They stay in their
+raw file; the summary leaves them out and lists them under ``excluded``."""
 
 
 CURRENT_RUNS = "run14,run15,run17"
@@ -85,6 +94,9 @@ def merge(run: str, files: list[Path]) -> dict[str, Any]:
         for k in ("model", "gpu", "host_gpus", "mps", "requests_per_point", "slo_scale"):
             meta.setdefault(k, res.get(k))
         for name, s in res.get("systems", {}).items():
+            if (why := EXCLUDED.get((f.name, name))) is not None:
+                meta.setdefault("excluded", []).append({"file": f.name, "system": name, "why": why})
+                continue
             for p in s.get("points", []):
                 repeats.setdefault(name, {}).setdefault(p["rate"], []).append({**p, "file": f.name})
                 parts.setdefault(name, []).append(f"{f.name}@{p['rate']}")

@@ -108,3 +108,21 @@ def test_the_default_summary_reads_the_current_setups_runs_not_only_the_newest()
     assert s["run"] == "run14,run15,run17"
     assert {Path(f).name.split("_")[3][:5] for f in s["files"]} == {"run14", "run15", "run17"}
     assert "best_over_rates easerve/aggregated" in s["ratios"]
+
+
+def test_points_on_record_that_measured_something_else_are_left_out_and_named() -> None:
+    """Run 18 (one H100): three points of part b ran with 8 KV slots (the decode sized its KV after
+    its card-mates had loaded); the summary takes those systems from the other parts only, keeps
+    part b's aggregated point, and says what it left out and why."""
+    s = summary("--run", "run18")
+    raw = json.loads((REPO / "benchmarks/results/gpu_serve_h100_run18b_300req.json").read_text())
+    left_out = {e["system"] for e in s["excluded"]}
+    assert left_out == {"dynamo-style:e1p1d1+mps85", "easerve:e1p0d1:b6:s0+mps85", "easerve:e1p0d1:b1:s0+mps85"}
+    assert all("KV slots" in e["why"] for e in s["excluded"])
+    later = json.loads((REPO / "benchmarks/results/gpu_serve_h100_run18c_300req.json").read_text())
+    dyn = "dynamo-style:e1p1d1+mps85"
+    assert s["systems"][dyn]["parts"] == ["gpu_serve_h100_run18c_300req.json@5.5"]
+    want = [p for p in later["systems"][dyn]["points"] if p["rate"] == 5.5][0]["goodput"]["moderate"]
+    assert s["systems"][dyn]["goodput"]["moderate"]["5.5"] == round(want, 3)
+    assert any(p.startswith("gpu_serve_h100_run18b") for p in s["systems"]["aggregated@2048"]["parts"])
+    assert "aggregated@2048" in raw["systems"]
