@@ -29,6 +29,25 @@ def test_run_trial_has_trialmetrics_keys_and_is_deterministic(llava_spec) -> Non
     assert a == b
 
 
+def test_has_trials_pass_the_deployments_front_door(llava_spec) -> None:
+    """HAS's twin trials admit as the deployment's frontends do (one per encode pod): past the
+    candidate's capacity they refuse requests, as the pods would, instead of scoring a queue the
+    live frontends never let form. ``frontends=0`` opens the door."""
+    from easerve_runtime.sim.runner import cached_model
+    from easerve_runtime.sim.systems import simulate_system
+    from easerve_runtime.topology import frontends_for
+    from easerve_runtime.workload.generate import generate
+
+    door = run_trial(llava_spec, 5.0, 200, 1)
+    want = simulate_system(llava_spec, generate(llava_spec, 5.0, 200, 1), "easerve", cached_model(llava_spec),
+                           frontends=frontends_for(llava_spec)).summary
+    assert (door["completed"], door["failed"], door["ttft_p99"]) == (want["completed"], want["failed"], want["ttft_p99"])
+    open_door = run_trial(llava_spec, 5.0, 200, 1, frontends=0)
+    assert open_door["failed"] == 0 and open_door["completed"] == 200
+    assert door["failed"] > 0 and door["completed"] + door["failed"] == 200
+    # what it admits meets the tier more often than the queue an open door lets form
+    assert door["goodput"]["moderate"] > open_door["goodput"]["moderate"]
+
 def test_encode_capacity_doubles_until_the_gain_is_small(llava_spec, toy_model) -> None:
     p = SimProfiler(llava_spec, n_requests=64, model=toy_model)
     c_e, b_sat, curve = p.encode_capacity()

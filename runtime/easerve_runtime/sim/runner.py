@@ -82,8 +82,10 @@ def run_trial(
     deployment on fewer GPUs than its topology does (default: every pod on GPUs of its own);
     ``mps_caps``: those pods run under MPS with these per-stage SM caps instead (``sim.mpsshare``).
     ``frontends``: how many frontends admit the requests (0: none, every request goes in); by
-    default the deployment's own for system ``easerve`` (``topology.frontends_for``), none for the
-    baselines, which are other systems' shapes of the spec.
+    default the deployment's own for system ``easerve``: one per encode pod on a cluster
+    (``topology.frontends_for``), one on a single host (``host_gpus``: ``easerve serve`` runs one
+    frontend that admits for all); none for the baselines, which are other systems' shapes of
+    the spec.
 
     Why the door by default: without it a trial near saturation served requests that the live
     frontends refuse. On the LLaVA example at 3 req/s the door-less twin scored
@@ -93,7 +95,7 @@ def run_trial(
     t0 = time.process_time()
     reqs = generate(spec, rate, n_requests, seed, arrival=arrival, cv=cv)
     if frontends is None:
-        frontends = frontends_for(spec) if system == "easerve" else 0
+        frontends = 0 if system != "easerve" else 1 if host_gpus is not None else frontends_for(spec)
     result = simulate_system(spec, reqs, system, model or cached_model(spec), host_gpus=host_gpus,
                              mps_caps=mps_caps, frontends=frontends)
     out = trial_metrics(result)
