@@ -297,7 +297,8 @@ class DecodeSpec(Model):
         gt=0,
         le=1,
         description="Fraction of each GPU's memory the engine may use for weights, activations and KV cache "
-        "(vLLM's gpu_memory_utilization); a sequence joins only when its KV cache at full length fits.",
+        "(vLLM's gpu_memory_utilization, per instance: other processes on the GPU do not count against it); "
+        "a sequence joins only when its KV cache at full length fits.",
     )
 
 
