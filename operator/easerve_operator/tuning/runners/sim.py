@@ -24,13 +24,16 @@ class SimRunner:
     ``host_gpus``: trials run on one host with that many GPUs, the candidate's pods time-slicing
     the GPUs they share (what a deployment on fewer GPUs than its topology gets: the launcher wraps
     its GPUs onto the host's); default every pod on GPUs of its own, as on a cluster. ``mps_caps``:
-    those pods run under MPS with these per-stage SM caps (``easerve serve --mps-share``)."""
+    those pods run under MPS with these per-stage SM caps (``easerve serve --mps-share``).
+    ``frontends``: how many frontends admit the trial's requests (default: the deployment's own,
+    ``sim.runner.run_trial``; 0 admits every request)."""
 
     def __init__(self, arrival: str = "poisson", cv: float = 1.0, host_gpus: int | None = None,
-                 mps_caps: Mapping[str, float] | None = None) -> None:
+                 mps_caps: Mapping[str, float] | None = None, frontends: int | None = None) -> None:
         from easerve_runtime.sim.runner import SimTrialRunner
 
-        self._inner = SimTrialRunner(arrival=arrival, cv=cv, host_gpus=host_gpus, mps_caps=mps_caps)
+        self._inner = SimTrialRunner(arrival=arrival, cv=cv, host_gpus=host_gpus, mps_caps=mps_caps,
+                                     frontends=frontends)
         self.last: dict[str, Any] = {}
 
     def run_trial(self, spec: EPDDeploymentSpec, rate: float, requests: int, seed: int) -> TrialMetrics:
