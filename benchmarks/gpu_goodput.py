@@ -45,7 +45,7 @@ _RUN = re.compile(r"(?:gpu_serve_h[12]00_(run\d+)([a-z]?)_300req|has_hardware_h2
 """A run's parts: ``gpu_serve.py``'s own sweeps (on an H200 up to run 17, on an H100 in run 18), and
 the deploys of ``has_hardware.py`` (the same ``gpu_serve.py`` runs at 300 requests a point, from
 run 10 on)."""
-PATTERNS = ("gpu_serve_h200_run*_300req.json", "gpu_serve_h100_run*_300req.json", "has_hardware_h200_run*.json")
+PATTERNS = ("gpu_serve_h[12]00_run*_300req.json", "has_hardware_h200_run*.json")
 
 _RACY_KV = ("kvMemoryFraction counted the card-mates' memory until 0263c49, so the decode's KV slots "
             "depended on which process loaded first")

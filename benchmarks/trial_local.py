@@ -58,6 +58,7 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
     from easerve_runtime.api import load_manifest
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
+    from easerve_runtime.topology import SINGLE_HOST_FRONTENDS
     from easerve_runtime.workload.generate import generate
     from host_cpu import tree_cpu
 
@@ -84,7 +85,8 @@ def run_one(label: str, rate: float, requests: int, speedup: float, bytes_scale:
         pre = gpu_serve.prefill_breakdown(pre_before, gpu_serve.prefill_metrics(work))
     finally:
         srv.stop()
-    res = simulate_system(spec, generate(spec, rate, requests, 1), "easerve", cached_model(spec), frontends=1)
+    res = simulate_system(spec, generate(spec, rate, requests, 1), "easerve", cached_model(spec),
+                         frontends=SINGLE_HOST_FRONTENDS)
     k = speedup
     live = {"throughput": rep["throughput"] / k, "ttft_mean": rep["ttft"]["mean"] * k, "ttft_p50": rep["ttft"]["p50"] * k,
             "ttft_p99": rep["ttft"]["p99"] * k, "failed": rep.get("failed", 0)}

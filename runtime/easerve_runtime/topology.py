@@ -269,6 +269,12 @@ def frontends(topo: Topology) -> int:
     return max(1, n)
 
 
+SINGLE_HOST_FRONTENDS = 1
+"""Frontends of a deployment whose processes all run on one host (``easerve serve``): one, which
+admits for all. The launcher tells the frontend so (``EASERVE_FRONTENDS``) and the twin's trials of
+such a host admit through that many (``sim.runner.run_trial``)."""
+
+
 def frontends_for(spec: EPDDeploymentSpec, hardware: Hardware | None = None) -> int:
     """``frontends(plan(spec, hardware))``: the frontends of the pods the operator renders for
     ``spec`` (one per encode pod; one per engine in aggregated mode). ``easerve serve`` runs one

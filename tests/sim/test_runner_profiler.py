@@ -48,6 +48,7 @@ def test_has_trials_pass_the_deployments_front_door(llava_spec) -> None:
     # what it admits meets the tier more often than the queue an open door lets form
     assert door["goodput"]["moderate"] > open_door["goodput"]["moderate"]
 
+
 def test_encode_capacity_doubles_until_the_gain_is_small(llava_spec, toy_model) -> None:
     p = SimProfiler(llava_spec, n_requests=64, model=toy_model)
     c_e, b_sat, curve = p.encode_capacity()

@@ -171,5 +171,5 @@ def test_seeds_that_tie_do_not_end_the_search(tmp_path, capsys):
     first3 = sorted(t["value"] for t in trials[:3])
     assert all(t["seeded"] for t in trials[:3]) and (first3[2] - first3[0]) / first3[2] < 0.01
     assert out["stop_reason"] == "budget" and len(trials) == 6
-    assert out["best"]["value"] > 1.03 * first3[2]
+    assert out["best"]["value"] > 1.05 * first3[2]
     assert out["best"]["alloc"]["decode_tp"] == 4

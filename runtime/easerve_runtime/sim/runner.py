@@ -23,7 +23,7 @@ from easerve_runtime.api import EPDDeploymentSpec
 from easerve_runtime.profiles import Profile, spec_profile
 from easerve_runtime.sim.latency import StageModel
 from easerve_runtime.sim.systems import simulate_system
-from easerve_runtime.topology import frontends_for
+from easerve_runtime.topology import SINGLE_HOST_FRONTENDS, frontends_for
 from easerve_runtime.workload.generate import generate
 
 _MODELS: dict[Profile, StageModel] = {}
@@ -95,7 +95,8 @@ def run_trial(
     t0 = time.process_time()
     reqs = generate(spec, rate, n_requests, seed, arrival=arrival, cv=cv)
     if frontends is None:
-        frontends = 0 if system != "easerve" else 1 if host_gpus is not None else frontends_for(spec)
+        single_host = host_gpus is not None
+        frontends = 0 if system != "easerve" else SINGLE_HOST_FRONTENDS if single_host else frontends_for(spec)
     result = simulate_system(spec, reqs, system, model or cached_model(spec), host_gpus=host_gpus,
                              mps_caps=mps_caps, frontends=frontends)
     out = trial_metrics(result)

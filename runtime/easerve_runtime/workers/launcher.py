@@ -46,7 +46,7 @@ from easerve_runtime.api import (
     Stage,
     dynamo_namespace,
 )
-from easerve_runtime.topology import PARTITION_GPU_ENV, SHARED_GPUS_ENV, Hardware
+from easerve_runtime.topology import PARTITION_GPU_ENV, SHARED_GPUS_ENV, SINGLE_HOST_FRONTENDS, Hardware
 from easerve_runtime.topology import plan as topology_plan
 from easerve_runtime.workers.blobs import BLOB_DIR_ENV
 
@@ -317,7 +317,7 @@ class Launcher:
                     "PYTHONUNBUFFERED": "1",
                     # the partition records of this run's "GPUs", private to it
                     "EASERVE_PARTITION_SHM": str(shm),
-                    "EASERVE_FRONTENDS": "1",  # the client reaches one frontend; it admits for all
+                    "EASERVE_FRONTENDS": str(SINGLE_HOST_FRONTENDS),  # the client reaches one; it admits for all
                     # every process is on this host: big payloads (KV, embeddings) go through memory
                     BLOB_DIR_ENV: str(self.blob_dir),
                 }
