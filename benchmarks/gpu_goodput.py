@@ -156,19 +156,22 @@ def plot(summary: dict[str, Any], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     tiers = ("strict", "tight", "moderate", "loose")
+    # one line style and marker per family, so that more systems than colours stay apart
+    style = {"easerve": ("-", "o"), "dynamo-style": ("--", "s"), "aggregated": (":", "^")}
     fig, axes = plt.subplots(1, len(tiers), figsize=(4.2 * len(tiers), 3.6), sharey=False)
     for ax, tier in zip(axes, tiers, strict=True):
         for name, s in summary["systems"].items():
             pts = sorted((float(r), g) for r, g in s["goodput"].get(tier, {}).items())
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=name)
+            ls, mk = style.get("easerve" if base_of(name) in EASERVE else base_of(name), ("-.", "x"))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], ls=ls, marker=mk, label=name)
         ax.set(title=f"{tier} tier", xlabel="offered rate (req/s)", ylabel="goodput (req/s)")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    fig.legend(*axes[0].get_legend_handles_labels(), fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
     fig.suptitle(f"{summary['run']}: {summary.get('model')} on {summary.get('gpu')} x{summary.get('host_gpus')}, "
                  f"{summary.get('requests_per_point')} requests a point (measured)")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def main(argv: list[str] | None = None) -> int:
