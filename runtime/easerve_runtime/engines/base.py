@@ -202,36 +202,6 @@ class PrefillEngine(Protocol):
     async def prefill(self, batch: Sequence[PrefillInput], sm_share: float = 1.0) -> list[PrefillOutput]: ...
 
 
-class SplitFeed(Protocol):
-    """The SM split of a local prefill worker's GPU(s) while one of its batches runs: the partner's
-    side of ``workers.partition_link`` (one record per encode GPU the worker spans)."""
-
-    def current(self) -> float | None:
-        """The worker's SM share now, read without announcing anything: 0 while the split grants it
-        none (paused), None when no controller has published a split (the whole GPU)."""
-        ...
-
-    async def wait_change(self, timeout: float) -> bool:
-        """Sleep until the controller announces a new split or ``timeout`` seconds pass (True: woken)."""
-        ...
-
-
-@runtime_checkable
-class SplitFollowingPrefillEngine(PrefillEngine, Protocol):
-    """A prefill engine whose modelled time follows the SM split while a batch runs (the sim engine).
-
-    Why: on an encode GPU the split changes whenever the encoder starts or ends a micro-batch. A
-    real engine's kernels meet that in the hardware; the sim engine has no hardware, so a batch
-    timed once at the share it started with ran on as if the encoder took no SMs from it. The twin
-    re-times the batch in flight at every change (``sim/stages.py``, ``PrefillWorker.set_share``);
-    an engine of this kind does the same against the live record, so the local cluster's pods and
-    the twin model one GPU."""
-
-    async def prefill_following(
-        self, batch: Sequence[PrefillInput], sm_share: float, split: SplitFeed, max_pause_s: float
-    ) -> list[PrefillOutput]: ...
-
-
 @runtime_checkable
 class DecodeEngine(Protocol):
     """Runs one decode step over the running batch; returns one new token per sequence, in order.

@@ -42,7 +42,6 @@ from easerve_runtime.engines.base import (
     MediaPart,
     PrefillInput,
     PrefillOutput,
-    SplitFeed,
 )
 from easerve_runtime.workload.media import is_anyres, items_tokens
 
@@ -52,8 +51,6 @@ EMBED_ITEMSIZE = 2
 
 
 COST_STAGES = ("encode", "prefill", "decode")
-FOLLOW_EPS_S = 1e-9
-"""Time a batch following the split counts as done (a clock's rounding must not loop it)."""
 MAX_DEBT_S = 0.05
 """The most overrun (wall seconds) a stage carries into its next sleeps: a few of its sleeps'
 lateness on a busy host, not a stall's."""
@@ -187,51 +184,6 @@ class SimEngine:
         await (self._sleep or asyncio.sleep)(max(0.0, target - debt))
         self._debt[key] = min(MAX_DEBT_S, max(0.0, debt + (self._clock() - t0) - target))
 
-    async def _wait_following(
-        self, cost: Callable[[float], float], share: float, split: SplitFeed, stage: str, max_pause_s: float
-    ) -> float:
-        """Sleep one batch's modelled work while its SM share follows ``split``; returns the share it ended at.
-
-        Progress-based, as the twin's local prefill (``sim/stages.py``, ``PrefillWorker.set_share``):
-        ``cost(share)`` is the whole batch's time at a share, the fraction still to run is re-timed
-        at each new split, and a share of 0 (the encoder holds every SM) pauses the batch until the
-        split changes. A pause longer than ``max_pause_s`` means the controller is gone: the batch
-        then finishes on the whole GPU, as ``PartitionLink.granted`` falls back. The stage's debt
-        (``_wait``) is paid back as progress at the share it starts with and kept from the last
-        segment's overrun."""
-        scale = self.cost_scale.get(stage, 1.0) / self.speedup
-        left = 1.0  # fraction of the batch's work still to run
-        debt = self._debt.get(stage, 0.0)
-        paused = 0.0
-        follow = True
-        while True:
-            wall = cost(share) * scale if share > 0 else math.inf
-            if wall < math.inf and debt > 0:
-                credit = min(debt, left * wall)
-                left, debt = left - credit / wall, debt - credit
-            target = left * wall
-            t0 = self._clock()
-            if not follow:
-                await (self._sleep or asyncio.sleep)(target)
-            elif wall < math.inf:
-                await split.wait_change(target)
-            else:
-                await split.wait_change(max(0.0, max_pause_s - paused))
-            elapsed = self._clock() - t0
-            if wall < math.inf:
-                if elapsed >= target - FOLLOW_EPS_S:
-                    debt += max(0.0, elapsed - target)
-                    break
-                left -= elapsed / wall
-            else:
-                paused += elapsed
-            now = split.current() if follow else share
-            share = 1.0 if now is None else now
-            if share <= 0 and paused >= max_pause_s - FOLLOW_EPS_S:
-                share, follow = 1.0, False  # the controller is gone: finish on the whole GPU
-        self._debt[stage] = min(MAX_DEBT_S, max(0.0, debt))
-        return share
-
     # -- sizes ----------------------------------------------------------------------------
     def part_items_tokens(self, part: MediaPart) -> tuple[int, int]:
         """(encoder batch slots, embedding rows) of one media part: the twin's own accounting."""
@@ -263,27 +215,10 @@ class SimEngine:
         tokens = sum(r.prompt_tokens for r in batch)
         if tokens:
             await self._wait(self.profile.prefill_s(tokens, sm_share, sequences=len(batch), **self._tp_kw()), "prefill")
-        return self._prefilled(batch)
-
-    def _prefilled(self, batch: Sequence[PrefillInput]) -> list[PrefillOutput]:
         return [
             PrefillOutput(r.request_id, token_at(r.seed, 0), int(self.profile.kv_bytes(r.prompt_tokens)))
             for r in batch
         ]
-
-    async def prefill_following(
-        self, batch: Sequence[PrefillInput], sm_share: float, split: SplitFeed, max_pause_s: float
-    ) -> list[PrefillOutput]:
-        """``prefill`` on an encode GPU whose split changes while the batch runs (a local prefill
-        worker under a partition controller): the batch's time follows its share (``_wait_following``)."""
-        tokens = sum(r.prompt_tokens for r in batch)
-        if tokens:
-            tp = self._tp_kw()
-            await self._wait_following(
-                lambda share: self.profile.prefill_s(tokens, share, sequences=len(batch), **tp),
-                sm_share, split, "prefill", max_pause_s,
-            )
-        return self._prefilled(batch)
 
     async def prefill_chunks(
         self, chunks: Sequence[tuple[PrefillInput, int, int]], sm_share: float = 1.0

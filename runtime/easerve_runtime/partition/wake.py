@@ -31,7 +31,6 @@ import logging
 import os
 import select
 import socket
-from collections.abc import Sequence
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -106,33 +105,6 @@ class WakeListener:
         with contextlib.suppress(OSError):
             if self.path.exists():
                 os.unlink(self.path)
-
-
-async def wait_any_async(listeners: Sequence[WakeListener], timeout: float) -> bool:
-    """``WakeListener.wait_async`` over several sockets: True as soon as any is poked (each one poked
-    is drained), False on timeout. A local prefill worker of TP k follows k GPUs' splits."""
-    if any([w.wait(0) for w in listeners]):  # a list: drain every socket, not just the first poked
-        return True
-    loop = asyncio.get_running_loop()
-    ready: asyncio.Future[None] = loop.create_future()
-    fds = [w.sock.fileno() for w in listeners]
-
-    def poked() -> None:
-        if not ready.done():
-            ready.set_result(None)
-
-    for fd in fds:
-        loop.add_reader(fd, poked)
-    try:
-        await asyncio.wait_for(ready, max(0.0, timeout))
-    except TimeoutError:
-        return False
-    finally:
-        for fd in fds:
-            loop.remove_reader(fd)
-    for w in listeners:
-        w._drain()
-    return True
 
 
 class WakeSender:

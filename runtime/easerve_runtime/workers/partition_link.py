@@ -27,12 +27,6 @@ receiving envelopes) until the encoder's batch ends, as the twin's local prefill
 micro-batch is that long: the controller is gone) falls back to the whole GPU. Before this, a
 partner granted 0 SMs ran at once on the whole GPU, and on the local cluster (sim engine, nothing
 contends) the candidates with the most local prefill answered faster than the twin predicted.
-
-While a partner's batch runs, the split can change again (its encoder starts or ends a
-micro-batch). A real engine meets that in the hardware. The sim engine follows it instead
-(``engines.base.SplitFollowingPrefillEngine``): ``current`` reads the share without announcing,
-``wait_change`` sleeps until the controller's next poke, and the engine re-times the work left,
-as the twin does (``sim/stages.py``, ``PrefillWorker.set_share``).
 """
 
 from __future__ import annotations
@@ -51,13 +45,7 @@ from easerve_runtime.partition.record import (
     control_path,
     demand_path,
 )
-from easerve_runtime.partition.wake import (
-    WakeListener,
-    WakeSender,
-    tenant_wake_path,
-    wait_any_async,
-    wake_path,
-)
+from easerve_runtime.partition.wake import WakeListener, WakeSender, tenant_wake_path, wake_path
 
 log = logging.getLogger("easerve.partition")
 
@@ -70,9 +58,6 @@ PARTNER_POLL_S = 0.0005
 TENANTS_POLL_ENV = "EASERVE_PARTITION_TENANTS_POLL"
 """Set to 1: the tenants re-read the record every ``PARTNER_POLL_S`` while they wait, as before
 the controller woke them (``benchmarks/partition_wakeups.py`` compares the two in one run)."""
-FOLLOW_POLL_S = 0.002
-"""How often a partner without a wake-up socket re-reads the split while its batch runs (an engine
-that follows the split, ``engines.base.SplitFollowingPrefillEngine``)."""
 PARTNER_RECHECK_S = 0.02
 """How often a tenant woken by the controller re-reads the record anyway while it waits (a safety
 net: the controller pokes after each new split, so this bounds only a poke that never comes)."""
@@ -159,23 +144,6 @@ class PartitionLink:
                 await asyncio.sleep(PARTNER_POLL_S)
         return self.share(batch)
 
-    def current(self) -> float | None:
-        """This tenant's share in the record now, announcing nothing (``engines.base.SplitFeed``):
-        0 while the split grants it no SMs, None while no controller has published a split."""
-        rec = self._read()
-        if rec is None or rec.total_sms <= 0 or rec.seq == 0:
-            return None
-        sms = rec.primary_sms if self.role == "primary" else rec.partner_sms
-        return min(1.0, max(0, sms) / rec.total_sms)
-
-    async def wait_change(self, timeout: float) -> bool:
-        """Sleep until the controller pokes (it does after each new split) or ``timeout`` passes; a
-        tenant without a wake-up socket re-reads every ``FOLLOW_POLL_S`` instead."""
-        if self._woken is not None:
-            return await self._woken.wait_async(timeout)
-        await asyncio.sleep(min(max(0.0, timeout), FOLLOW_POLL_S))
-        return False
-
     def idle(self) -> None:
         self._announce(0, False)
 
@@ -209,20 +177,6 @@ class PartitionGroupLink:
         deadline = time.monotonic() + max_wait_s
         shares = [await link.granted(batch, max(0.0, deadline - time.monotonic())) for link in self.links]
         return min(shares)
-
-    def current(self) -> float | None:
-        """The smallest share of its GPUs (a TP step runs at its slowest rank's pace); None when no
-        GPU has a published split."""
-        shares = [s for s in (link.current() for link in self.links) if s is not None]
-        return min(shares) if shares else None
-
-    async def wait_change(self, timeout: float) -> bool:
-        """Woken by whichever GPU's controller publishes a new split first."""
-        listeners = [link._woken for link in self.links]
-        if all(w is not None for w in listeners):
-            return await wait_any_async([w for w in listeners if w is not None], timeout)
-        await asyncio.sleep(min(max(0.0, timeout), FOLLOW_POLL_S))
-        return False
 
     def idle(self) -> None:
         for link in self.links:

@@ -19,18 +19,12 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from easerve_runtime.api import PrefillSpec
-from easerve_runtime.engines.base import (
-    PrefillEngine,
-    PrefillInput,
-    PrefillOutput,
-    Sampling,
-    SplitFollowingPrefillEngine,
-)
+from easerve_runtime.engines.base import PrefillEngine, PrefillInput, PrefillOutput, Sampling
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.envelope import Envelope
 from easerve_runtime.policies.prefill_batch import PrefillBatcher
 from easerve_runtime.workers.blobs import HostBlobs
-from easerve_runtime.workers.partition_link import PARTNER_WAIT_S, PartitionGroupLink, PartitionLink
+from easerve_runtime.workers.partition_link import PartitionLink
 from easerve_runtime.workers.pool import StageError, StagePool
 from easerve_runtime.workers.wire import b64d, b64e
 
@@ -52,7 +46,7 @@ class PrefillWorker:
         stage: str = "prefill",
         max_batch_tokens: int = PrefillSpec().max_batch_tokens,
         sm_share: Callable[[], float] | None = None,
-        partition: PartitionLink | PartitionGroupLink | None = None,
+        partition: PartitionLink | None = None,
         profile_cost: Callable[[int, int, float], float] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -187,10 +181,7 @@ class PrefillWorker:
             share = await self.partition.granted(len(inputs)) if self.partition is not None else self.sm_share()
             t0 = self.clock()
             try:
-                if self.partition is not None and isinstance(self.engine, SplitFollowingPrefillEngine):
-                    outs = await self.engine.prefill_following(inputs, share, self.partition, PARTNER_WAIT_S)
-                else:
-                    outs = await self.engine.prefill(inputs, share)
+                outs = await self.engine.prefill(inputs, share)
             except Exception as exc:
                 log.exception("prefill batch failed")
                 if self.partition is not None:
