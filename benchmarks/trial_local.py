@@ -14,6 +14,7 @@ measured requests by role (``host_cpu_s``: ``host_cpu.tree_cpu``). Measured on t
 
     python benchmarks/trial_local.py "6E-0P(tp2)-1D(tp2) B=1 s=0" "2E-2P(tp2)-1D(tp2) B=2 s=0.7"   # ~75 s each
     python benchmarks/trial_local.py --speedup 1 "6E-0P(tp2)-1D(tp2) B=1 s=0"                      # host time once
+    python benchmarks/trial_local.py --compare RUN1.json RUN2.json ...                               # side by side
 """
 
 from __future__ import annotations
@@ -126,9 +127,49 @@ def plot(out: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
+def compare(files: list[str], path: Path) -> dict[str, Any]:
+    """Several runs' served/twin ratios side by side (mean and P99 TTFT, per candidate), one panel
+    each, for runs of the same candidates with different code (each file's ``label`` says which)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(Path(f).stem, json.loads(Path(f).read_text())) for f in files]
+    table = {name: {p["candidate"]: {k: p["served_over_twin"][k] for k in ("ttft_mean", "ttft_p99", "throughput")}
+                    | {"label": r.get("label", "")} for p in r["points"]} for name, r in runs}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    cands = list(dict.fromkeys(c for t in table.values() for c in t))
+    w = 0.8 / max(1, len(runs))
+    for ax, key in zip(axes, ("ttft_mean", "ttft_p99"), strict=True):
+        for i, (name, r) in enumerate(runs):
+            ax.bar([x + i * w for x in range(len(cands))], [table[name].get(c, {}).get(key, 0) for c in cands], w,
+                   label=f"{name} ({r.get('label', '')})")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        for y in (0.9, 1.1):
+            ax.axhline(y, color="grey", lw=0.5, ls=":")
+        ax.set_xticks([x + w * (len(runs) - 1) / 2 for x in range(len(cands))], [re.sub(r"-(?=\dD)| (?=B=)", "\n", c) for c in cands],
+                      fontsize=7)
+        ax.set(title=f"{key}: served locally / twin (CPU)", ylim=(0.6, 1.4))
+        ax.grid(alpha=0.3, axis="y")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    log(f"plot: {path}")
+    return table
+
+
 def main() -> int:
+    if sys.argv[1:2] == ["--compare"]:
+        ap = argparse.ArgumentParser(description="plot several trial_local runs side by side")
+        ap.add_argument("--compare", nargs="+", required=True, help="trial_local JSON files")
+        ap.add_argument("--plot", default=str(REPO / "docs" / "img" / "trial_local_compare.png"))
+        a = ap.parse_args()
+        print(json.dumps(compare(a.compare, Path(a.plot)), indent=1))
+        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("candidates", nargs="+", help="trial labels, e.g. '6E-0P(tp2)-1D(tp2) B=1 s=0'")
+    ap.add_argument("--label", default="", help="what this run's code is, recorded in the JSON (for --compare)")
     ap.add_argument("--rate", type=float, default=3.0, help="model-time rate (req/s), as the search's target")
     ap.add_argument("--requests", type=int, default=300)
     ap.add_argument("--speedup", type=float, default=2.0, help="the sim engine's speed-up (the cluster runs 2)")
@@ -141,7 +182,7 @@ def main() -> int:
         candidate(c)  # refuse a bad label before serving anything
     out: dict[str, Any] = {"bench": "trial_local", "measured": "cpu (this host): easerve serve + easerve bench vs twin",
                            "rate": args.rate, "requests": args.requests, "speedup": args.speedup,
-                           "bytes_scale": args.bytes_scale, "points": []}
+                           "bytes_scale": args.bytes_scale, "label": args.label, "points": []}
     for i, c in enumerate(args.candidates):
         out["points"].append(run_one(c, args.rate, args.requests, args.speedup, args.bytes_scale, args.port + i))
         log(json.dumps(out["points"][-1]["served_over_twin"]))

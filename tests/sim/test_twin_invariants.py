@@ -209,3 +209,22 @@ def test_all_local_prefill_on_two_gpus_runs_without_a_remote_prefill_pool(llava_
     assert r.routed == {"remote": 0, "local": 60}
     assert r.utilisation["prefill"] is None and r.utilisation["local_prefill"] > 0
     assert r.stats["prefilled_tokens"] == sum(q.prefill_tokens for q in reqs)
+
+
+def test_a_local_prefill_that_starts_paused_is_counted_at_the_share_it_then_runs_with(llava_spec) -> None:
+    """``stats.prefill['local-prefill'].over_profile`` is the live counters' ``engine_over_profile``.
+
+    A local batch that starts while its encoder holds every SM (the dynamic split's zero share)
+    had its profile time counted at that share: infinite, so the ratio read 0.0. The live worker
+    counts it at the share it is granted once it runs, and so does the twin now: the ratio is
+    finite and at least 1 (pauses and smaller shares only slow a batch down)."""
+    from easerve_operator.tuning.space import Alloc, Candidate, apply_candidate
+    from easerve_runtime.sim.runner import cached_model
+    from easerve_runtime.sim.systems import simulate_system
+
+    assert str(llava_spec.sm_partition.mode) == "dynamic"
+    spec = apply_candidate(llava_spec, Candidate(Alloc(6, 0, 2, 1, 2), 1, 0.0))  # every prefill local
+    r = simulate_system(spec, generate(spec, 3.0, 300, seed=1), "easerve", cached_model(spec))
+    local = r.stats["prefill"]["local-prefill"]
+    assert local["batches"] > 0
+    assert math.isfinite(local["over_profile"]) and local["over_profile"] >= 1.0

@@ -245,6 +245,7 @@ class PrefillWorker(Busy):
         self.profile_s = 0.0
         """The profile's time of the batches run, without the GPU's sharing: ``busy_s / profile_s`` is
         the live prefill counters' ``engine_over_profile``."""
+        self._profiled = False
         self.members: dict[int, tuple[float, float]] = {}
         self.sliced = 1.0
         """The batch in flight's time-slicing factor, fixed when it starts (``Busy.timesliced``)."""
@@ -274,8 +275,17 @@ class PrefillWorker(Busy):
         self.requests_sum += len(batch)
         self._frac_left = 1.0
         self.sliced = self.ts.dilation(self.proc, self.work) if self.ts is not None else 1.0
-        self.profile_s += self._alone()  # as the live worker's easerve_prefill_profile_seconds
+        self._profiled = False
+        self._count_profile()
         self._schedule()
+
+    def _count_profile(self) -> None:
+        """The batch's profile time at the first share it runs with, as the live worker's
+        ``easerve_prefill_profile_seconds`` counts it at the share it was granted (a batch that
+        starts paused, at a zero share, is counted when the split gives it SMs)."""
+        if not self._profiled and self.share > 0:
+            self.profile_s += self._alone()
+            self._profiled = True
 
     def _alone(self) -> float:
         """The profile's time of the batch in flight at its SM share, without the GPU's sharing."""
@@ -314,6 +324,7 @@ class PrefillWorker(Busy):
                 self._frac_left = max(self._frac_left, 0.0)
             self.busy_s += now - self._seg_start
             self.share, self.dilation = share, dilation
+            self._count_profile()
             self._schedule()
         else:
             self.share, self.dilation = share, dilation
