@@ -133,3 +133,25 @@ def test_pickers_that_see_only_their_own_counts_burst_in_lockstep_unless_their_r
     assert len(set(first_round(starts))) > 1
     with pytest.raises(ValueError, match="start"):
         LeastOutstanding(-1)
+
+
+def test_the_twins_frontends_start_apart_where_hashed_fixed_names_ran_them_in_step():
+    """Three frontends over six encoders (the all-local trial's one frontend per encode pod): the
+    twin used to hash "frontend-0".."frontend-2", which all land on start 4 mod 6, so its three
+    frontends picked in lockstep. The even spread sends their first requests to three encoders of
+    three different pods (two encoders a pod, pods in order)."""
+    import zlib
+
+    from easerve_runtime.policies.router import spread_rotation_starts
+
+    encoders = [f"e{i}" for i in range(6)]
+    hashed = [(zlib.crc32(f"frontend-{i}".encode()) & 0xFFFF) % 6 for i in range(3)]
+    assert len(set(hashed)) == 1  # the old rule's lockstep, for the record
+    starts = spread_rotation_starts(6, 3)
+    assert starts == [0, 2, 4]
+    firsts = [LeastOutstanding(s).pick(encoders, {}) for s in starts]
+    assert len({int(e[1:]) // 2 for e in firsts}) == 3  # one per pod
+    assert spread_rotation_starts(2, 1) == [0] and spread_rotation_starts(4, 2) == [0, 2]
+    assert len(set(spread_rotation_starts(5, 5))) == 5
+    with pytest.raises(ValueError, match="pickers"):
+        spread_rotation_starts(6, 0)

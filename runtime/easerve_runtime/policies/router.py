@@ -121,6 +121,21 @@ class LeastOutstanding:
         return candidates[i]
 
 
+def spread_rotation_starts(candidates: int, pickers: int) -> list[int]:
+    """Rotation starts for ``pickers`` pickers over ``candidates``, spread evenly (0, n/k, 2n/k, ...).
+
+    Why: the twin's frontends stand for live ones whose starts are hashes of their pods and
+    processes (``process_rotation_start``), so no two run in step by design, and the twin cannot
+    know the draw. Hashing fixed names in the twin instead ("frontend-0", "frontend-1", ...) put
+    all three frontends of the 6-encoder all-local trial at the same start (all 4 mod 6): the twin
+    modelled the lockstep this rotation exists to avoid, and read that trial's mean TTFT 10 % over
+    the cluster's (runs 21-25). An even spread is the no-lockstep case; over 20 random draws the
+    twin's mean TTFT of that trial lies within 1 % of it."""
+    if candidates < 1 or pickers < 1:
+        raise ValueError(f"spread_rotation_starts: need candidates and pickers >= 1, got {candidates}, {pickers}")
+    return [i * candidates // pickers for i in range(pickers)]
+
+
 def process_rotation_start(identity: str) -> int:
     """A rotation start for ``LeastOutstanding`` that differs between processes (a stable hash of
     ``identity``, e.g. the pod's name and the process id), so pickers that cannot see each other's

@@ -19,7 +19,7 @@ from typing import Any
 from easerve_runtime.api import EPDDeploymentSpec, PartitionMode, SpecError, Stage
 from easerve_runtime.policies.batcher import Batcher, make_batcher
 from easerve_runtime.policies.post_encode import PostEncodeRouter
-from easerve_runtime.policies.router import LeastOutstanding, process_rotation_start
+from easerve_runtime.policies.router import LeastOutstanding, spread_rotation_starts
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.frontdoor import FrontDoor
 from easerve_runtime.sim.latency import StageModel
@@ -172,8 +172,9 @@ def run_pipeline(
         handoff.on_first_token = door.first_token
         # each frontend picks the encode worker as the live one does (``workers.pool.Pool``): by the
         # fewest of *its own* requests in flight there (picked until the stream ends), its rotation
-        # started at its own place (``process_rotation_start``); it sees nothing of the others'
-        pickers = [LeastOutstanding(process_rotation_start(f"frontend-{i}")) for i in range(frontends)]
+        # started at its own place, no two in step (``spread_rotation_starts``); it sees nothing of
+        # the others'
+        pickers = [LeastOutstanding(start) for start in spread_rotation_starts(len(names), frontends)]
         own: list[dict[str, int]] = [dict.fromkeys(names, 0) for _ in range(frontends)]
         sent: dict[int, tuple[int, str]] = {}
 
