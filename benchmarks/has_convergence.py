@@ -87,9 +87,11 @@ def exhaustive(spec: Any, space: Any, rate: float, requests: int, wseed: int, ca
     from easerve_operator.tuning.space import apply_candidate
     from tqdm import tqdm
 
-    # "door": the twin's trials pass the deployment's frontends (sim.runner); tables cached
-    # before that (no such key) are measured again
-    key = {"rate": rate, "requests": requests, "workload_seed": wseed, "space": space.to_dict(), "door": True}
+    # "door": the twin's trials pass the deployment's frontends (sim.runner); "frontend_starts":
+    # those frontends' rotations start apart (policies.router.spread_rotation_starts); tables
+    # cached before either (no such key) are measured again
+    key = {"rate": rate, "requests": requests, "workload_seed": wseed, "space": space.to_dict(), "door": True,
+           "frontend_starts": "spread"}
     if cache.exists():
         data = json.loads(cache.read_text())
         if data.get("key") == key:
