@@ -160,15 +160,10 @@ def compare(files: list[str], path: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    if sys.argv[1:2] == ["--compare"]:
-        ap = argparse.ArgumentParser(description="plot several trial_local runs side by side")
-        ap.add_argument("--compare", nargs="+", required=True, help="trial_local JSON files")
-        ap.add_argument("--plot", default=str(REPO / "docs" / "img" / "trial_local_compare.png"))
-        a = ap.parse_args()
-        print(json.dumps(compare(a.compare, Path(a.plot)), indent=1))
-        return 0
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("candidates", nargs="+", help="trial labels, e.g. '6E-0P(tp2)-1D(tp2) B=1 s=0'")
+    ap.add_argument("candidates", nargs="*", help="trial labels, e.g. '6E-0P(tp2)-1D(tp2) B=1 s=0'")
+    ap.add_argument("--compare", nargs="+", default=None, metavar="JSON",
+                    help="plot these trial_local runs side by side instead of serving (--plot names the PNG)")
     ap.add_argument("--label", default="", help="what this run's code is, recorded in the JSON (for --compare)")
     ap.add_argument("--rate", type=float, default=3.0, help="model-time rate (req/s), as the search's target")
     ap.add_argument("--requests", type=int, default=300)
@@ -178,6 +173,11 @@ def main() -> int:
     ap.add_argument("--out", default=None, help="also write the JSON here")
     ap.add_argument("--plot", default=str(REPO / "docs" / "img" / "trial_local.png"))
     args = ap.parse_args()
+    if args.compare:
+        print(json.dumps(compare(args.compare, Path(args.plot)), indent=1))
+        return 0
+    if not args.candidates:
+        ap.error("give at least one candidate label, or --compare FILES")
     for c in args.candidates:
         candidate(c)  # refuse a bad label before serving anything
     out: dict[str, Any] = {"bench": "trial_local", "measured": "cpu (this host): easerve serve + easerve bench vs twin",
