@@ -1,6 +1,12 @@
 """The autopilot on the local cluster (issue 14): B and s follow a step in the load while the video
 example serves, through its frontend Service, with no failed request and no pod restart; the operator
-reads the arrival rate from a real Prometheus and records each change in status.adapt.
+reads the arrival rate from a real Prometheus, re-tunes at each step, and records each re-tune
+(status.adapt.retunes) and each change (status.adapt.decisions).
+
+Whether a step moves the knobs is the calibrated twin's answer, and near this load it is a near-tie
+(s 0.6-0.9 within 1 % of the best goodput, decided by mean TTFT, which moves with the calibration
+each run reads): the test asserts that each step is re-tuned for and that what runs, in status and
+in the ConfigMap, is the last answer applied, not that the answer differs.
 
 The deployment's B and s are left to HAS (its search runs on the twin: seconds), the allocation is the
 example's. The sim engine runs 2x faster than modelled (``spec.pod.env``); the trace below is in
@@ -95,14 +101,35 @@ def test_b_and_s_follow_a_step_in_the_load_live(pods_cluster: PodsCluster) -> No
                       "effective": st.get("effective"), "failed": failed[:5], "sent": len(reqs)}, indent=1)[:5000])
     assert not failed, failed[:5]
     ds = adapt.get("decisions") or []
-    assert ds and ds[0]["old"] == {"batchBound": tuned["batchBound"], "offloadRatio": tuned["offloadRatio"]}, ds
-    # the step up (0.5 -> 1.3 model req/s) changed the knobs, and the step down changed them again; the
-    # observed rate is the median of the hold window, read while a 10 s rate() window fills, so it lags
-    # a step (it read 1.0 for the 1.3 step in one run): the reasons are asserted, not the exact rates
-    up = [d for d in ds if d["kind"] == "retune" and "above the band" in d["reason"] and d["observedRate"] >= 0.8]
-    assert up and up[0]["new"] != up[0]["old"] and up[0]["predictedGoodput"] is not None, ds
-    later = ds[ds.index(up[0]) + 1:]
-    assert any("below the band" in d["reason"] or d["kind"] == "rollback" for d in later), ds
+    start = {"batchBound": tuned["batchBound"], "offloadRatio": tuned["offloadRatio"]}
+    assert not ds or ds[0]["old"] == start, ds
+    # the step up (0.5 -> 1.3 model req/s) was re-tuned for, and the step down after it; the observed
+    # rate is the median of the hold window, read while a 10 s rate() window fills, so it lags a step
+    # (it read 1.0 for the 1.3 step in one run): the directions are asserted, not the exact rates
+    rs = adapt.get("retunes") or []
+    ups = [r for r in rs if r["direction"] == "above" and r["observedRate"] >= 0.8]
+    assert ups, rs
+    up = ups[0]
+    retunes_applied = [d for d in ds if d["kind"] == "retune"]
+    assert [d["new"] for d in retunes_applied] == [r["answer"] for r in rs if r["applied"]][-len(retunes_applied):], (ds, rs)
+    if up["applied"]:  # the knobs followed: the change is a decision, with the twin's expectation
+        d = next(d for d in retunes_applied if d["at"] == up["at"])
+        assert d["new"] == up["answer"] != d["old"] and "above the band" in d["reason"], d
+        assert d["predictedGoodput"] == up["predictedGoodput"] is not None, d
+    else:  # the knobs in force were already the twin's best for the new rate (near-ties at this load)
+        before = [d["new"] for d in ds if d["at"] <= up["at"]]
+        assert up["answer"] == (before[-1] if before else start), (up, ds)
+    later = rs[rs.index(up) + 1:]
+    assert any(r["direction"] == "below" for r in later) or any(d["kind"] == "rollback" for d in ds), (rs, ds)
+    # what runs is the last answer applied, in status and in the ConfigMap the encode workers follow
+    in_force = ds[-1]["new"] if ds else start
+    assert adapt["knobs"] == in_force, (adapt["knobs"], ds)
+    from easerve_operator.render.stages import config_map_name
+
+    r = c.kubectl("get", "configmap", "-n", ns, config_map_name(name), "-o", "json")
+    assert r.returncode == 0, r.stderr
+    cm = json.loads(json.loads(r.stdout)["data"]["config.json"])["spec"]
+    assert (cm["encode"]["batchBound"], cm["offload"]["ratio"]) == tuple(in_force.values()), cm
     assert {p["metadata"]["name"] for p in c.pods(ns, name)} == pods_before, "no pod was replaced"
     assert c.runner.pids(ns) == pids_before, "no process restarted"
     assert adapt["pinned"] == [] and st["effective"]["sources"]["allocation"] == "spec"

@@ -91,6 +91,17 @@ def test_b_follows_a_step_in_the_load_and_each_change_is_recorded() -> None:
     assert up["kind"] == "retune" and up["predictedGoodput"] > 0 and "above the band" in up["reason"]
     assert down["old"] == up["new"] and "below the band" in down["reason"] and up["at"].endswith("Z")
     assert last["knobs"] == down["new"] and last["referenceRate"] == 1.0
+    # status.adapt.retunes says the same of these two (a re-tune that kept the knobs would show only there)
+    rs = last["retunes"]
+    assert [(r["direction"], r["observedRate"], r["applied"]) for r in rs] == [("above", 2.0, True), ("below", 1.0, True)]
+    assert [r["answer"] for r in rs] == [up["new"], down["new"]] and [r["at"] for r in rs] == [up["at"], down["at"]]
+    # and an operator restart keeps them (a fresh loop reads them back from status)
+    clock = Clock()
+    again = AdaptLoop(Rates(clock, [(1e9, 1.0)]), clock=clock, requests=120)
+    eff = resolve(raw, parse_spec(raw), tuned(raw), None)
+    assert eff.spec is not None
+    st = again.step(raw, eff.spec, last)
+    assert st is not None and st.model_dump(mode="json", by_alias=True)["retunes"] == rs
     # each re-tune asks the twin for a better allocation of the budget (recommended, not applied)
     from easerve_operator.tuning.runners.sim import SimStageProfiler
     from easerve_operator.tuning.space import space_for

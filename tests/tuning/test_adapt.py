@@ -139,6 +139,22 @@ def test_same_answer_moves_the_band_without_a_change():
     assert len(t.calls) == 1 and ap.reference_rate == 6.0 and ap.decisions == []
 
 
+def test_every_retune_is_kept_applied_or_not():
+    t = Table()
+    ap = Autopilot(AdaptParams(band=0.3, hold_s=5, min_interval_s=0), Knobs(16, 0.7), 4.0, t)
+    assert feed(ap, 0, 20, 6.0) == []  # the same answer: no decision, but a kept re-tune
+    (kept,) = ap.retunes
+    assert not kept.applied and kept.answer == Knobs(16, 0.7) and kept.side == 1
+    assert (kept.at, kept.observed_rate, kept.reference_rate) == (5, 6.0, 4.0)
+    assert kept.predicted_goodput == pytest.approx(5.4)
+    ds = feed(ap, 20, 40, 1.0)  # a real drop: applied, and the record says what the decision did
+    (d,) = ds
+    applied = ap.retunes[-1]
+    assert applied.applied and applied.side == -1 and applied.answer == d.new == Knobs(4, 0.3)
+    assert (applied.at, applied.observed_rate, applied.reference_rate) == (d.at, d.observed_rate, d.reference_rate)
+    assert len(ap.retunes) == 2 and len(t.calls) == 2
+
+
 def test_pinned_knobs_are_kept():
     t = Table()
     ap = Autopilot(AdaptParams(hold_s=5, min_interval_s=0), START, 1.0, t, pinned=frozenset({"batch_bound"}))

@@ -47,7 +47,13 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from easerve_runtime.api import Allocation, EPDDeploymentSpec
-from easerve_runtime.api.status import AdaptCalibration, AdaptDecisionStatus, AdaptKnobs, AdaptStatus
+from easerve_runtime.api.status import (
+    AdaptCalibration,
+    AdaptDecisionStatus,
+    AdaptKnobs,
+    AdaptRetuneStatus,
+    AdaptStatus,
+)
 from easerve_runtime.sim.latency import StageScales
 
 from easerve_operator.reconcile.effective import lay_allocation
@@ -58,6 +64,7 @@ from easerve_operator.tuning.adapt import (
     Knobs,
     LiveCosts,
     Proposal,
+    Retune,
     Retuner,
     grid_retuner,
     stage_scales,
@@ -69,6 +76,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WINDOW_S = 10.0
 KEEP_DECISIONS = 20
+KEEP_RETUNES = 10
 RECOMMEND_MARGIN = 0.05
 APPLY_MARGIN = 0.10
 """An allocation is *applied* only when the twin, each layout with its own re-tuned knobs, gives it
@@ -170,6 +178,8 @@ class AdaptLoop:
     pilot: Autopilot | None = None
     key: tuple[Any, ...] | None = None
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    retunes: list[dict[str, Any]] = field(default_factory=list)
+    """``status.adapt.retunes``: each re-tune, applied or kept (``KEEP_RETUNES`` newest)."""
     calibration: AdaptCalibration | None = None
     """The twin's live calibration (``tuning.adapt.stage_scales``), recomputed at each re-tune."""
     raw: Mapping[str, Any] = field(default_factory=dict)
@@ -240,6 +250,7 @@ class AdaptLoop:
             pilot.allocation = applied.label()
             self.allocations[applied.label()] = applied
         self.decisions = list(prev.get("decisions") or [])
+        self.retunes = list(prev.get("retunes") or [])
         cal = prev.get("calibration")
         try:
             self.calibration = AdaptCalibration.model_validate(cal) if cal else None
@@ -382,6 +393,10 @@ class AdaptLoop:
             self.rolling_to = running.allocation.label()
             log.info("autopilot: allocation %s -> %s (a roll)", d.old_allocation or spec.allocation.label(),
                      d.new_allocation or spec.allocation.label())
+        if pilot.retunes:
+            self.retunes.extend(retune_status(r) for r in pilot.retunes)
+            self.retunes = self.retunes[-KEEP_RETUNES:]
+            pilot.retunes.clear()
         if d is not None:
             self.decisions.append(decision_status(d, now, spec.allocation.label()))
             self.decisions = self.decisions[-KEEP_DECISIONS:]
@@ -415,9 +430,23 @@ class AdaptLoop:
             observed_at=_iso(now) if now is not None else None,
             pinned=sorted(pinned),
             decisions=[AdaptDecisionStatus.model_validate(x) for x in self.decisions],
+            retunes=[AdaptRetuneStatus.model_validate(x) for x in self.retunes],
             calibration=self.calibration,
             message=message,
         )
+
+
+def retune_status(r: Retune) -> dict[str, Any]:
+    """``r`` as ``status.adapt.retunes[]``."""
+    return {
+        "at": _iso(r.at),
+        "observedRate": r.observed_rate,
+        "referenceRate": r.reference_rate,
+        "direction": "above" if r.side > 0 else "below",
+        "answer": {"batchBound": r.answer.batch_bound, "offloadRatio": r.answer.offload_ratio},
+        "predictedGoodput": r.predicted_goodput,
+        "applied": r.applied,
+    }
 
 
 def decision_status(d: Decision, now: float, own_allocation: str | None = None) -> dict[str, Any]:

@@ -24,6 +24,8 @@ The loop:
 4. **Re-tune.** ``retune(rate, pinned)`` answers the best (B, s) for that rate with its predicted
    goodput (on the twin: seconds, a small grid). Explicit spec values are ``pinned`` and kept.
    An answer equal to the knobs in force is no change: the reference moves, nothing is applied.
+   Every re-tune, applied or not, is kept in ``Autopilot.retunes`` (status shows them: a step that
+   moved no knob is then told apart from a step the loop never saw).
 5. **Guard rail.** The good fraction during the hold (old knobs, already at the new rate) is the
    baseline. Over ``guard_window_s`` after the change, if the mean good fraction falls below
    baseline − ``rollback_tolerance``, the old knobs come back (a ``rollback`` decision) and the
@@ -132,6 +134,26 @@ class Decision:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Retune:
+    """One re-tune the band triggered, applied or not.
+
+    Why it is kept beside the decisions: near a tie the re-tuner often answers the knobs already
+    in force, and then nothing changes. Without a record of that answer, a load step that moved no
+    knob looks the same as a loop that never noticed the step."""
+
+    at: float
+    observed_rate: float
+    reference_rate: float
+    side: int
+    """+1: the rate was above the band around ``reference_rate``; -1: below it."""
+    answer: Knobs
+    """The knobs in force after it: the re-tuner's answer, pinned knobs kept."""
+    predicted_goodput: float
+    applied: bool
+    """False: the answer was the knobs in force (nothing to apply)."""
+
+
 @dataclass
 class _Guard:
     decision: Decision
@@ -167,6 +189,8 @@ class Autopilot:
         self.allocation: str | None = None
         """The allocation applied by a change (a label; None: the deployment's own)."""
         self.decisions: list[Decision] = []
+        self.retunes: list[Retune] = []
+        """Every re-tune since the caller last drained the list, applied or kept."""
         self._samples: deque[tuple[float, float, float | None]] = deque()
         self._last_change: float | None = None
         self._guard: _Guard | None = None
@@ -254,7 +278,9 @@ class Autopilot:
             )
         old_ref = self.reference_rate
         self.reference_rate = target
-        if new == self.knobs and not realloc:
+        applied = new != self.knobs or realloc
+        self.retunes.append(Retune(now, target, old_ref, side, new, prop.predicted_goodput, applied))
+        if not applied:
             return None  # already the best for this rate: the band moves, nothing to apply
         fr = [g for t, _, g in self._samples if t >= now - self.params.hold_s and g is not None]
         d = Decision(

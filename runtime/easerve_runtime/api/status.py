@@ -333,6 +333,19 @@ class AdaptDecisionStatus(Model):
     )
 
 
+class AdaptRetuneStatus(Model):
+    """One re-tune the band triggered, applied or not: a load step that moved no knob (the knobs in
+    force were already the re-tuner's best for the new rate) shows here and not in ``decisions``."""
+
+    at: str = Field(description="When it ran (UTC).")
+    observed_rate: float = Field(description="The rate it re-tuned for (req/s, model time).")
+    reference_rate: float = Field(description="The rate the knobs before it were chosen for.")
+    direction: Literal["above", "below"] = Field(description="Which side of the band the rate had left.")
+    answer: AdaptKnobs = Field(description="The knobs in force after it (pinned knobs kept).")
+    predicted_goodput: float = Field(description="The twin's goodput for the answer at the rate (band headroom in).")
+    applied: bool = Field(description="False: the answer was the knobs already in force; nothing changed.")
+
+
 class AdaptCalibration(Model):
     """The twin's stage-cost multipliers the autopilot re-tunes with, from what the deployment measured."""
 
@@ -363,6 +376,9 @@ class AdaptStatus(Model):
     )
     allocation_label: str | None = None
     decisions: list[AdaptDecisionStatus] = Field(default_factory=list, description="Changes, newest last (20 kept).")
+    retunes: list[AdaptRetuneStatus] = Field(
+        default_factory=list, description="Re-tunes, applied or not, newest last (10 kept)."
+    )
     calibration: AdaptCalibration | None = Field(
         default=None, description="The live calibration of the twin used by the last re-tune (docs/adapt.md)."
     )
