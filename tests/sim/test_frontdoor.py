@@ -6,6 +6,9 @@ capacity estimate (issue 13, must-hold 3); the twin predicts that only when it a
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 from easerve_runtime.policies.admission import queue_bound
 from easerve_runtime.profiles.capacity import saturation_rps
 from easerve_runtime.sim.frontdoor import FrontDoor
@@ -13,6 +16,8 @@ from easerve_runtime.sim.runner import cached_model
 from easerve_runtime.sim.stages import Job
 from easerve_runtime.sim.systems import simulate_system
 from easerve_runtime.workload.generate import generate
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _limits(spec, **kw):
@@ -87,3 +92,32 @@ def test_each_frontend_routes_by_its_own_requests_as_the_live_ones_do(llava_spec
     # one frontend sees every request it sent; four, each blind to the others' requests, send some
     # to an encoder another keeps busy: the same requests meet other queues
     assert [r.first_token_s for r in one.records] != [r.first_token_s for r in four.records]
+
+
+def test_the_frontends_rotation_starts_can_be_given_and_in_step_they_cost_the_all_local_trial():
+    """``frontend_starts``: the twin takes the live frontends' drawn starts (``twin_p99_spread.py
+    --noise starts``). Given as the even spread, it is the default run; given in step (three
+    frontends at one start, what hashing fixed names did), the all-local trial's requests queue
+    in bursts at one encoder per pick and its mean TTFT rises."""
+    from easerve_operator.tuning.space import Alloc, Candidate, apply_candidate
+    from easerve_runtime.api import load_manifest
+    from easerve_runtime.policies.router import spread_rotation_starts
+    from easerve_runtime.sim.runner import cached_model
+    from easerve_runtime.sim.systems import simulate_system
+    from easerve_runtime.topology import frontends_for
+    from easerve_runtime.workload.generate import generate
+
+    base = load_manifest(str(REPO / "examples" / "llava-v1.6-34b.yaml"))[1]
+    spec = apply_candidate(base, Candidate(Alloc(6, 0, 2, 1, 2), 1, 0.0))
+    k = frontends_for(spec)
+    assert k == 3
+    reqs = generate(spec, 3.0, 300, 1)
+
+    def run(starts):
+        return simulate_system(spec, reqs, "easerve", cached_model(spec), frontends=k, frontend_starts=starts)
+
+    default, spread, in_step = run(None), run(spread_rotation_starts(6, 3)), run([4, 4, 4])
+    assert [r.ttft_s for r in default.records] == [r.ttft_s for r in spread.records]
+    assert in_step.summary["ttft_mean"] > 1.05 * spread.summary["ttft_mean"]
+    with pytest.raises(ValueError, match="one start per frontend"):
+        run([0, 2])

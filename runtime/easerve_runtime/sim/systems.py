@@ -121,6 +121,7 @@ def simulate_system(
     host_gpus: int | None = None,
     frontends: int = 0,
     mps_caps: Mapping[str, float] | None = None,
+    frontend_starts: Sequence[int] | None = None,
 ) -> SimResult:
     """Run ONE configuration of ``system`` (no sweep).
 
@@ -129,7 +130,8 @@ def simulate_system(
     (``sim.timeslice``); an aggregated replica has its GPUs to itself either way. ``frontends``: the
     disaggregated pipeline's requests pass that many frontends' admission control (``sim.frontdoor``);
     0 admits every request. ``mps_caps``: the pods that share host GPUs run under MPS with these
-    per-stage SM caps instead of time-slicing (``sim.mpsshare``)."""
+    per-stage SM caps instead of time-slicing (``sim.mpsshare``). ``frontend_starts``: the
+    frontends' rotation starts (``run_pipeline``; None: spread evenly)."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
@@ -155,7 +157,7 @@ def simulate_system(
                 return EagerBatcher(1, half_life_s=half_life)
 
         jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus,
-                                   frontends=frontends, mps_caps=mps_caps)
+                                   frontends=frontends, mps_caps=mps_caps, frontend_starts=frontend_starts)
         config = _config(v, system)
     records = [j.rec for j in jobs]
     for j in jobs:

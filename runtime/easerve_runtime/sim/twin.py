@@ -62,6 +62,7 @@ def run_pipeline(
     host_gpus: int | None = None,
     frontends: int = 0,
     mps_caps: Mapping[str, float] | None = None,
+    frontend_starts: Sequence[int] | None = None,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -74,6 +75,8 @@ def run_pipeline(
     ``mps_caps`` (stage -> SM fraction): the processes that share a GPU run under MPS with these
     caps (``sim.mpsshare``) instead of time-slicing it, each encode pod's encode and local prefill
     unpartitioned (``smPartition.mode`` none), as the runtime serves them under MPS.
+    ``frontend_starts``: each frontend's rotation start (one per frontend, as a live frontend draws
+    it, ``process_rotation_start``); None: spread evenly (``spread_rotation_starts``).
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -174,7 +177,11 @@ def run_pipeline(
         # fewest of *its own* requests in flight there (picked until the stream ends), its rotation
         # started at its own place, no two in step (``spread_rotation_starts``); it sees nothing of
         # the others'
-        pickers = [LeastOutstanding(start) for start in spread_rotation_starts(len(names), frontends)]
+        if frontend_starts is None:
+            frontend_starts = spread_rotation_starts(len(names), frontends)
+        elif len(frontend_starts) != frontends:
+            raise ValueError(f"frontend_starts: need one start per frontend ({frontends}), got {len(frontend_starts)}")
+        pickers = [LeastOutstanding(start) for start in frontend_starts]
         own: list[dict[str, int]] = [dict.fromkeys(names, 0) for _ in range(frontends)]
         sent: dict[int, tuple[int, str]] = {}
 
