@@ -10,15 +10,15 @@ decode service time multiplied by an independent uniform factor in [1 - j, 1 + j
 stage's load is unchanged), over ``--seeds`` draws. The spread it prints is the resolution of a
 single-run P99 comparison; the cluster's repeats are set beside it.
 
+    python benchmarks/twin_p99_spread.py --rate 3 --requests 300 --jitter 0.05 --seeds 20 \\
+        --plot docs/img/twin_p99_spread.png      # the cluster's runs 17-20 beside it
+
 ``--noise starts`` draws another source instead: each frontend's rotation start, as the live
 frontends draw theirs (a hash of their host and process, ``process_rotation_start``), where the
 twin otherwise spreads them evenly. It applies to trials with two or more frontends.
 
-    python benchmarks/twin_p99_spread.py --noise starts --seeds 11 \
-        --runs "benchmarks/results/has_cluster_run2[1-5]_rate3_300req*.json"
-
-    python benchmarks/twin_p99_spread.py --rate 3 --requests 300 --jitter 0.05 --seeds 20 \\
-        --plot docs/img/twin_p99_spread.png      # the cluster's runs 17-20 beside it
+    python benchmarks/twin_p99_spread.py --noise starts --seeds 11 \\
+        --runs "benchmarks/results/has_cluster_run2[1-4]_rate3_300req.json" --plot docs/img/twin_p99_starts.png
 
 Prints one JSON object; a figure from here is a prediction (twin), the cluster's are measurements.
 """
