@@ -45,7 +45,6 @@ time-slice the GPU less.
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import subprocess
 import sys
@@ -239,7 +238,7 @@ def deploy(args: argparse.Namespace) -> int:
     pl = json.loads(Path(args.plan_file).read_text())
     systems = pl["groups"]["has"] + pl["groups"]["baselines"] if args.group == "all" else pl["groups"][args.group]
     rates = args.rates or [float(pl["rate"])]
-    done = measured_points([Path(f) for f in sorted(glob.glob(args.measured))])
+    done = measured_points([Path(f) for f in ta.run_files(args.measured)])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = out / "gpu_serve.json"
@@ -360,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="--deploy: seconds a system may take to serve (runs took 11-21 s; one that cannot "
                          "start, e.g. out of KV memory, would otherwise hold the GPU for gpu_serve's 400 s)")
     ap.add_argument("--size", default="7b", choices=["tiny", "7b"], help="--deploy: tiny is a CPU smoke")
-    ap.add_argument("--measured", default=MEASURED, help="--deploy/--summary: result files (glob)")
+    ap.add_argument("--measured", default=MEASURED, help="--deploy/--summary: result files (globs, comma-separated)")
     ap.add_argument("--profile", default=str(PROFILES[0]),
                     help="--plan: the engine profile the twin is calibrated with (its CPU-preprocessing twin beside it)")
     ap.add_argument("--no-progress", action="store_true")
@@ -368,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     prof = Path(args.profile).resolve()
     PROFILES = (prof, ta.cpu_preprocess_of(prof))
     if args.summary:
-        files = [Path(f) for f in sorted(glob.glob(args.measured))]
+        files = [Path(f) for f in ta.run_files(args.measured)]
         if not files:
             raise SystemExit(f"no result files match {args.measured}: run --deploy on the GPU machine first")
         print(json.dumps(summary(Path(args.plan_file), files), indent=1))

@@ -61,6 +61,18 @@ BAR = {"throughput": 0.05, "ttft_p99": 0.15, "up_to_saturation": 0.9}
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 
+def run_files(globs: str) -> list[str]:
+    """The result files that ``globs`` (comma-separated glob patterns) match, sorted, each once.
+    Why several: one glob cannot pick run 18's parts c-d (after the H100 KV fix) and all of run 19."""
+    return sorted({f for g in globs.split(",") if g for f in glob.glob(g)})
+
+
+def cards(runs_glob: str) -> str:
+    """The GPUs the runs name (``gpu`` of each result file), for plot titles."""
+    names = {json.loads(Path(f).read_text()).get("gpu") for f in run_files(runs_glob)}
+    return " / ".join(sorted(n.replace("NVIDIA ", "") for n in names if n)) or "GPU"
+
+
 def log(msg: str) -> None:
     print(f"[twin_agreement {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
@@ -292,11 +304,12 @@ def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_ser
     assert p.corrections is not None
     runs = []
     with tempfile.TemporaryDirectory() as t:
-        for f in sorted(glob.glob(runs_glob)):
+        for f in run_files(runs_glob):
             run = json.loads(Path(f).read_text())
             if run.get("measured") != "gpu":
                 continue
-            runs.append({"file": str(Path(f).resolve().relative_to(REPO)), "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
+            runs.append({"file": str(Path(f).resolve().relative_to(REPO)), "gpu": run.get("gpu"),
+                         "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
                          "requests_per_point": run.get("requests_per_point"), "systems": predict(run, Path(t), profile, cpu_pre)})
     return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
             "profile_source": prof["engine"]["device"], "ratios_measured_over_model": p.corrections.summary(),
@@ -327,7 +340,8 @@ def plot_points(rep: dict[str, Any], path: Path) -> None:
         ax.plot([lo, hi], [lo, hi], ls=":", color="grey")
         ax.set(xlabel=f"{key} (GPU)", ylabel=f"{key} (twin)", title=key)
         ax.grid(alpha=0.3)
-    fig.suptitle("the twin fed the engine's profile against the H200, point by point")
+    gpus = " / ".join(sorted({str(r.get("gpu") or "GPU").replace("NVIDIA ", "") for r in rep["runs"]}))
+    fig.suptitle(f"the twin fed the engine's profile ({rep['profile_source']}) against the {gpus} runs, point by point")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     log(f"plot: {path}")
@@ -352,7 +366,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
                     label=f"{system} (twin)")
     axes[0].set(xlabel="offered rate (req/s)", ylabel="throughput (req/s)", title=f"{run['file'].split('/')[-1]}")
     axes[1].set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", yscale="log",
-                title="twin fed the engine's profile vs the H200")
+                title=f"twin fed the engine's profile vs the {str(run.get('gpu') or 'GPU').replace('NVIDIA ', '')}")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -379,7 +393,7 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[
 
     groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
     specs: dict[str, tuple[Any, int | None]] = {}
-    for f in sorted(glob.glob(runs_glob)):
+    for f in run_files(runs_glob):
         run = json.loads(Path(f).read_text())
         for system, sy in run.get("systems", {}).items():
             if mps_caps_of(system) is None:
@@ -442,7 +456,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
         finally:
             mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION = saved
     best = min(grid, key=lambda g: g["fit_error"])
-    return {"bench": "twin_agreement", "mode": "mps-fit", "fit_rates_up_to": MPS_FIT_MAX_RATE,
+    return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
             "in_code": {**dict(zip(MPS_KEYS, saved, strict=True)), "fit_error": round(score(in_code, False), 4),
                         "held_out_error": round(score(in_code, True), 4)},
@@ -503,7 +517,8 @@ def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
             ("ttft_p99", "P99 TTFT (s)", 1.0))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (key, label, scale) in zip(axes, keys, strict=True):
-        for held, marker, name in ((False, "o", "fit (5.5-7 req/s)"), (True, "x", "held out (8.5 req/s)")):
+        for held, marker, name in ((False, "o", f"fit (up to {MPS_FIT_MAX_RATE:g} req/s)"),
+                                   (True, "x", f"held out (above {MPS_FIT_MAX_RATE:g} req/s)")):
             rows = [r for r in fit["points"] if r["held_out"] == held]
             ax.scatter([r["measured"][key] * scale for r in rows], [(r["twin"][key] or 0.0) * scale for r in rows],
                        marker=marker, label=name)
@@ -513,7 +528,7 @@ def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
     axes[0].legend(fontsize=8)
     b = fit["in_code"]
-    fig.suptitle(f"sim.mpsshare (constants in code) against the H200 under MPS caps: contention "
+    fig.suptitle(f"sim.mpsshare (constants in code) against the {fit.get('gpus', 'GPU')} under MPS caps: contention "
                  f"{b['contention']}, decode co-run {b['decode_corun']}, decode saturation {b['decode_saturation']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -532,7 +547,7 @@ def main() -> int:
     p.add_argument("--profile", default=str(PROFILE), help="the engine profile (easerve's preprocessing)")
     p.add_argument("--profile-cpu-preprocess", default=str(PROFILE_CPU_PRE), help="encode points, CPU preprocessing")
     p.add_argument("--runs", default=str(RESULTS / "gpu_serve_h200_*.json"),
-                   help="the GPU runs to predict (a glob of gpu_serve result files)")
+                   help="the GPU runs to predict (globs of gpu_serve result files, comma-separated)")
     p.add_argument("--plot", default=None,
                    help="the PNG (default docs/img/twin_agreement.png; with --mps-fit docs/img/twin_mps_fit.png)")
     p.add_argument("--mps-fit", action="store_true",
