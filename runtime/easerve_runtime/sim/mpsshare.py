@@ -28,8 +28,10 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
 
 ``contention``, ``decode_corun`` and ``decode_saturation`` are calibrated on the H200
 (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``: fitted to runs 14-15's points at 5.5 and
-7 req/s and checked on their points at 8.5, ``benchmarks/twin_agreement.py --mps-fit``); a profile
-measured elsewhere may set its own.
+7 req/s and checked on their points at 8.5, ``benchmarks/twin_agreement.py --mps-fit``). A caller
+may pass its own to ``MPSSharing``; a profile file cannot carry them yet. On the H100 (runs 18-19)
+the fit moves to contention 0.3, no co-run term and saturation 0.4, at half the error of these
+(docs/benchmarks.md, "Run 20b").
 The unit is the pod replica, as in ``sim.timeslice``: an encode pod's encode worker and its local
 prefill share the pod's one cap (one process, or one cap for both processes).
 """
