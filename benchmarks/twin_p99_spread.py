@@ -103,6 +103,7 @@ def main() -> int:
 
     from easerve_operator.tuning.space import apply_candidate
     from easerve_runtime.api import load_manifest
+    from easerve_runtime.policies.router import process_rotation_start
     from easerve_runtime.profiles import spec_profile
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.topology import frontends_for
@@ -125,7 +126,9 @@ def main() -> int:
         if args.noise == "starts":
             k = frontends_for(spec)
             rng = random.Random(1)
-            jit = [twin_run(spec, reqs, cached_model(spec), [rng.randrange(1 << 16) for _ in range(k)])
+            # each start drawn by the live rule (a hash of an identity), from a random identity
+            jit = [twin_run(spec, reqs, cached_model(spec),
+                            [process_rotation_start(f"{rng.getrandbits(64):x}") for _ in range(k)])
                    for _ in range(args.seeds)] if k >= 2 else [twin]
         else:
             jit = [twin_run(spec, reqs, jittered_model(spec_profile(spec), random.Random(s), args.jitter))
