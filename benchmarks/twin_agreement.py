@@ -375,8 +375,8 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
-MPS_GRID = {"contention": (0.1, 0.2, 0.3), "decode_corun": (0.0, 0.3, 0.5, 0.7, 0.9),
-            "decode_saturation": (0.05, 0.25, 0.4)}
+MPS_GRID = {"contention": (0.1, 0.2, 0.3, 0.4, 0.5), "decode_corun": (0.0, 0.3, 0.5, 0.7, 0.9),
+            "decode_saturation": (0.05, 0.25, 0.4, 0.55)}
 MPS_FIT_MAX_RATE = 7.0
 """``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
 reports the points above it as held out (runs 14-15: fitted on 5.5 and 7 req/s, checked at 8.5,
@@ -418,7 +418,12 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
     from easerve_runtime.sim import mpsshare
 
     with tempfile.TemporaryDirectory() as t:
-        pts = mps_points(profile, cpu_pre, runs_glob, Path(t))
+        # the grid sets the module's constants; a card's own in the profile would win over them
+        doc = json.loads(profile.read_text())
+        current = (doc.get("engine") or {}).pop("mps", None)
+        bare = Path(t) / "profile-without-mps.json"
+        bare.write_text(json.dumps(doc))
+        pts = mps_points(bare, cpu_pre, runs_glob, Path(t))
         if not pts:
             raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
 
@@ -444,9 +449,10 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
             return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
         saved = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
+        now = tuple(float(current[k]) for k in MPS_KEYS) if current else saved
         grid = []
         try:
-            in_code = errors(saved)
+            in_code = errors(now)
             combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
             for i, values in enumerate(combos):
                 rows = errors(values)
@@ -458,11 +464,29 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
     best = min(grid, key=lambda g: g["fit_error"])
     return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
-            "in_code": {**dict(zip(MPS_KEYS, saved, strict=True)), "fit_error": round(score(in_code, False), 4),
-                        "held_out_error": round(score(in_code, True), 4)},
+            "in_code": {**dict(zip(MPS_KEYS, now, strict=True)), "fit_error": round(score(in_code, False), 4),
+                        "held_out_error": round(score(in_code, True), 4),
+                        "from": "the profile's engine.mps" if current else "sim.mpsshare (the H200's)"},
             "best": {k: best[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")},
             "points": in_code,
             "grid": [{k: g[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")} for g in grid]}
+
+
+def write_mps(fit: dict[str, Any], profiles: list[Path], runs: str) -> list[str]:
+    """Write ``fit``'s best constants into each profile file as ``engine.mps`` (the card's own, which
+    the twin then reads instead of ``sim.mpsshare``'s); returns the files written."""
+    written = []
+    for f in profiles:
+        if not f.exists():
+            continue
+        doc = json.loads(f.read_text())
+        doc.setdefault("engine", {})["mps"] = {
+            **{k: fit["best"][k] for k in MPS_KEYS},
+            "fitted_on": f"twin_agreement.py --mps-fit on {runs} (error {fit['best']['fit_error']}, "
+                         f"{fit['in_code']['fit_error']} before)"}
+        f.write_text(json.dumps(doc, indent=1) + "\n")
+        written.append(str(f))
+    return written
 
 
 def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
@@ -553,6 +577,9 @@ def main() -> int:
     p.add_argument("--mps-fit", action="store_true",
                    help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
                         "the rest held out); prints the grid and the best point")
+    p.add_argument("--write-profile", action="store_true",
+                   help="with --mps-fit: write the best constants into --profile and --profile-cpu-preprocess "
+                        "(engine.mps, the card's own; the twin reads them instead of sim.mpsshare's)")
     p.add_argument("--encode-check", action="store_true",
                    help="the encoder's time per micro-batch over its profile's, twin against the encode counters (run 17 on)")
     args = p.parse_args()
@@ -561,6 +588,8 @@ def main() -> int:
         return 0
     if args.mps_fit:
         fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
+        if args.write_profile:
+            fit["written"] = write_mps(fit, [Path(args.profile), Path(args.profile_cpu_preprocess)], args.runs)
         print(json.dumps(fit, indent=1))
         plot_mps_fit(fit, Path(args.plot or REPO / "docs" / "img" / "twin_mps_fit.png"))
         return 0

@@ -565,3 +565,52 @@ def test_the_admission_capacity_reads_a_profile_file(tmp_path: Path) -> None:
     shipped = saturation_rps(parse_spec(_spec(profile="llava-v1.6-34b@h200")))
     measured = saturation_rps(parse_spec(_spec(profileFile=str(f))))
     assert 0 < measured < shipped  # a 10x slower decode step is a smaller capacity, read from the file
+
+
+def test_a_cards_mps_constants_in_the_profile_win_over_the_h200s_in_the_twin(tmp_path: Path) -> None:
+    """``engine.mps`` (fitted on a card's served runs by ``twin_agreement.py --mps-fit
+    --write-profile``) is what the MPS twin charges on that card: a dearer contention and co-run
+    slow the same capped run's decode, where a profile without it keeps ``sim.mpsshare``'s own."""
+    from easerve_runtime.sim import mpsshare, simulate_system
+    from easerve_runtime.sim.events import EventLoop
+    from easerve_runtime.sim.latency import StageModel
+    from easerve_runtime.workload import generate
+
+    card = {"contention": 0.45, "decode_corun": 1.5, "decode_saturation": 0.4, "fitted_on": "test"}
+    plain, fitted = _engine_doc(), _engine_doc()
+    fitted["engine"]["mps"] = card
+    p = parse_profile_file(fitted)
+    assert p.mps_constants == {k: card[k] for k in ("contention", "decode_corun", "decode_saturation")}
+    assert parse_profile_file(plain).mps_constants is None
+    assert p.corrections is not None and p.corrections.summary()["mps"]["decode_corun"] == 1.5
+    one = {"encode/0": frozenset({0}), "decode/0": frozenset({0})}
+    m = mpsshare.MPSSharing(EventLoop(), one, {"encode": 0.85}, StageModel(p))
+    assert (m.contention, m.decode_corun, m.decode_saturation) == (0.45, 1.5, 0.4)
+    bare = mpsshare.MPSSharing(EventLoop(), one, {"encode": 0.85}, StageModel(parse_profile_file(plain)))
+    assert (bare.contention, bare.decode_corun) == (mpsshare.CONTENTION, mpsshare.DECODE_CORUN)
+    assert mpsshare.MPSSharing(EventLoop(), one, {}, StageModel(p), contention=0.0).contention == 0.0  # an argument wins
+    tpot = {}
+    for name, doc in (("plain", plain), ("fitted", fitted)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        reqs = generate(spec, 1.0, 60, 3)
+        caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+        tpot[name] = simulate_system(spec, reqs, "easerve", host_gpus=1, mps_caps=caps).summary["tpot"]["p50"]
+    assert tpot["fitted"] > tpot["plain"], tpot
+
+
+@pytest.mark.parametrize(
+    ("mps", "expected"),
+    [
+        ({"contention": -0.1, "decode_corun": 0.0, "decode_saturation": 0.4}, "engine.mps.contention"),
+        ({"contention": 0.3, "decode_corun": 0.0, "decode_saturation": 0.0}, "engine.mps.decode_saturation"),
+        ({"contention": 0.3, "decode_saturation": 0.4}, "engine.mps.decode_corun: Field required"),
+        ({"contention": 0.3, "decode_corun": 0.0, "decode_saturation": 0.4, "bandwidth": 1}, "engine.mps.bandwidth: unknown field"),
+    ],
+)
+def test_bad_mps_constants_are_refused_naming_the_field(mps: dict[str, Any], expected: str) -> None:
+    doc = _engine_doc()
+    doc["engine"]["mps"] = mps
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        parse_profile_file(doc)

@@ -197,3 +197,25 @@ def test_the_encode_check_sets_the_twins_encoder_beside_the_encode_counters() ->
         assert r["encode_over_profile"]["gpu"] > 1.0 and r["encode_over_profile"]["twin"] > 1.0  # shared GPU
         assert r["requests_per_batch"]["twin"] >= 1.0
     assert rep["mean_abs_log_error_encode_over_profile"] >= 0.0
+
+
+def test_the_h100_profile_carries_its_own_mps_constants_and_a_fit_writes_them(tmp_path: Path) -> None:
+    """The H100's profile carries the MPS constants fitted on its runs 18-19 (``--mps-fit
+    --write-profile``), which the twin then charges instead of the H200's; ``write_mps`` puts a
+    fit's best point into a profile file as ``engine.mps`` and the file reads back with it."""
+    import twin_agreement as ta
+    from easerve_runtime.profiles.source import load_profile_file
+    from easerve_runtime.sim import mpsshare
+
+    results = REPO / "benchmarks" / "results"
+    h100 = load_profile_file(results / "engine_profile_h100_llava7b_run20.json")
+    assert h100.mps_constants is not None
+    assert (h100.mps_constants["contention"], h100.mps_constants["decode_corun"]) != (
+        mpsshare.CONTENTION, mpsshare.DECODE_CORUN)
+    assert load_profile_file(results / "engine_profile_h200_llava7b_run12.json").mps_constants is None
+    f = tmp_path / "p.json"
+    f.write_text((results / "engine_profile_h200_llava7b_run12.json").read_text())
+    fit = {"best": {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25, "fit_error": 0.2},
+           "in_code": {"fit_error": 0.4}}
+    assert ta.write_mps(fit, [f, tmp_path / "absent.json"], "runs") == [str(f)]
+    assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25}

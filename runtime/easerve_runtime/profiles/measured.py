@@ -26,6 +26,10 @@ if TYPE_CHECKING:
     from easerve_runtime.profiles.profile import Profile
 
 
+MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation")
+"""The MPS twin's constants a profile may carry (``schema.MPSSharingDoc``, ``sim.mpsshare``)."""
+
+
 @dataclass(frozen=True)
 class StageCorrections:
     """measured / model per stage, as curves over log2(x); None: that stage was not measured."""
@@ -37,6 +41,7 @@ class StageCorrections:
     request_path_s: float = 0.0  # the serving path's own latency per request (no GPU busy for it)
     decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step
     mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
+    mps: Mapping[str, float] | None = None  # the MPS twin's constants fitted on this card (sim.mpsshare)
 
     def summary(self) -> dict[str, Any]:
         """The ratios at the measured points (what a report prints)."""
@@ -47,6 +52,8 @@ class StageCorrections:
             out["decode_loop_overhead_ms"] = round(self.decode_overhead_s * 1e3, 3)
         if self.mixed_iteration != "fused":
             out["mixed_iteration"] = self.mixed_iteration
+        if self.mps is not None:
+            out["mps"] = dict(self.mps)
         for name in ("encode", "prefill", "decode"):
             c = getattr(self, name)
             if c is not None:
@@ -80,6 +87,8 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
         for p in _points(doc, "decode")
     )
     path_ms = doc.get("request_path_ms")
+    mps = doc.get("mps")
     return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
                             float(path_ms or 0.0) / 1e3, float(doc.get("decode_loop_overhead_ms") or 0.0) / 1e3,
-                            str(doc.get("mixed_iteration") or "fused"))
+                            str(doc.get("mixed_iteration") or "fused"),
+                            {k: float(mps[k]) for k in MPS_CONSTANTS} if mps else None)

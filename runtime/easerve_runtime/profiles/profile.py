@@ -24,6 +24,7 @@ millions of times; ``encode_s`` is memoised since its arguments take few distinc
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,6 +97,13 @@ class Profile:
         """How the engine's aggregated loop runs prefill beside decode: ``fused`` (the modelled
         vLLM-style engine) or ``sequential`` (an engine profile that says so)."""
         return self.corrections.mixed_iteration if self.corrections is not None else "fused"
+
+    @property
+    def mps_constants(self) -> Mapping[str, float] | None:
+        """The MPS twin's constants fitted on this card (an engine profile's ``engine.mps``:
+        ``contention``, ``decode_corun``, ``decode_saturation``); None: ``sim.mpsshare``'s own,
+        fitted on the H200."""
+        return self.corrections.mps if self.corrections is not None else None
 
     # ------------------------------------------------------------------ sizes
     @property

@@ -188,6 +188,23 @@ class DecodePointDoc(_Doc):
     ms: float = Field(gt=0)
 
 
+class MPSSharingDoc(_Doc):
+    """How pods that share this GPU under MPS slow each other (``sim.mpsshare``), fitted on this card's
+    served runs (``benchmarks/twin_agreement.py --mps-fit --write-profile``): the three constants of
+    the MPS twin. Unset, the twin uses the ones fitted on the H200 (runs 14-15)."""
+
+    contention: float = Field(
+        ge=0, le=5, description="Any work dispatched while another pod on the GPU has work in flight pays 1 + this "
+        "(memory bandwidth and caches, whatever the SM split).")
+    decode_corun: float = Field(
+        ge=0, le=5, description="A decode step dispatched while a capped pod has work in flight pays 1 + this as "
+        "well, whatever the caps.")
+    decode_saturation: float = Field(
+        gt=0, le=1, description="The SM fraction on which a decode step reaches the GPU's memory bandwidth: with "
+        "less left to it by the caps in flight, it runs that much slower (0.05 turns the rule off).")
+    fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
+
+
 class EngineDoc(_Doc):
     """Stage times measured on a serving engine (``easerve profile --engine torch``, docs/profiles.md,
     "Profiles measured on an engine"). The analytic model is kept for what was not measured (SM
@@ -217,6 +234,9 @@ class EngineDoc(_Doc):
         "forward over prefill chunks and decode tokens (vLLM's chunked prefill), timed as the larger of the two; "
         "sequential: whole prompts are prefilled, then the decode step runs, timed as their sum (the torch "
         "engine's aggregated worker). Unset: fused.")
+    mps: MPSSharingDoc | None = Field(
+        default=None, description="The MPS twin's constants for this card (sim.mpsshare), fitted on served runs; "
+        "unset: the H200's.")
 
 
 class ProfileFileDoc(_Doc):

@@ -95,6 +95,9 @@ class StageModel:
         time-slices too (the served loop waits for the GPU at each of its syncs)."""
         self.mixed_iteration = str(getattr(profile, "mixed_iteration", "fused") or "fused")
         """How the engine's aggregated loop runs prefill beside decode (``fused`` or ``sequential``)."""
+        mps = getattr(profile, "mps_constants", None)
+        self.mps_constants: dict[str, float] | None = dict(mps) if mps else None
+        """The MPS twin's constants fitted on this card (``sim.mpsshare``); None: the module's (the H200's)."""
         self.total_sms = int(
             getattr(profile, "sms", 0)
             or getattr(profile, "sm_count", 0)

@@ -26,12 +26,12 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
 - **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
   contention``: the two compete for memory bandwidth and caches whatever the SM split.
 
-``contention``, ``decode_corun`` and ``decode_saturation`` are calibrated on the H200
-(``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``: fitted to runs 14-15's points at 5.5 and
-7 req/s and checked on their points at 8.5, ``benchmarks/twin_agreement.py --mps-fit``). A caller
-may pass its own to ``MPSSharing``; a profile file cannot carry them yet. On the H100 (runs 18-19)
-the fit moves to contention 0.3, no co-run term and saturation 0.4, at half the error of these
-(docs/benchmarks.md, "Run 20b").
+``contention``, ``decode_corun`` and ``decode_saturation`` belong to the card. The module's
+(``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) are the H200's: fitted to runs 14-15's
+points at 5.5 and 7 req/s and checked on their points at 8.5 (``benchmarks/twin_agreement.py
+--mps-fit``). A profile fitted on another card carries its own (``engine.mps``, written by
+``--mps-fit --write-profile``; the H100's differ: docs/benchmarks.md, "The H100's MPS constants in its profile"), and
+those win over the module's; a caller's arguments to ``MPSSharing`` win over both.
 The unit is the pod replica, as in ``sim.timeslice``: an encode pod's encode worker and its local
 prefill share the pod's one cap (one process, or one cap for both processes).
 """
@@ -70,10 +70,13 @@ class MPSSharing:
         self.loop = loop
         self.devices = devices
         self.model = model
-        # read at construction (not bound as defaults), so a calibration can set the module's values
-        self.contention = CONTENTION if contention is None else contention
-        self.decode_saturation = DECODE_SATURATION if decode_saturation is None else decode_saturation
-        self.decode_corun = DECODE_CORUN if decode_corun is None else decode_corun
+        # an argument wins, then the card's own fit in the profile (engine.mps), then the module's
+        # values, read at construction (not bound as defaults) so a calibration can set them
+        card = getattr(model, "mps_constants", None) or {}
+        self.contention = card.get("contention", CONTENTION) if contention is None else contention
+        self.decode_saturation = (card.get("decode_saturation", DECODE_SATURATION) if decode_saturation is None
+                                  else decode_saturation)
+        self.decode_corun = card.get("decode_corun", DECODE_CORUN) if decode_corun is None else decode_corun
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}
