@@ -101,9 +101,9 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
 
+    from easerve_operator.tuning.agreement import drawn_rotation_starts
     from easerve_operator.tuning.space import apply_candidate
     from easerve_runtime.api import load_manifest
-    from easerve_runtime.policies.router import process_rotation_start
     from easerve_runtime.profiles import spec_profile
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.topology import frontends_for
@@ -125,11 +125,9 @@ def main() -> int:
         twin = twin_run(spec, reqs, cached_model(spec))
         if args.noise == "starts":
             k = frontends_for(spec)
-            rng = random.Random(1)
-            # each start drawn by the live rule (a hash of an identity), from a random identity
-            jit = [twin_run(spec, reqs, cached_model(spec),
-                            [process_rotation_start(f"{rng.getrandbits(64):x}") for _ in range(k)])
-                   for _ in range(args.seeds)] if k >= 2 else [twin]
+            # each start drawn by the live rule (a hash of an identity), as the agreement's prediction draws them
+            jit = [twin_run(spec, reqs, cached_model(spec), starts)
+                   for starts in drawn_rotation_starts(k, args.seeds)] if k >= 2 else [twin]
         else:
             jit = [twin_run(spec, reqs, jittered_model(spec_profile(spec), random.Random(s), args.jitter))
                    for s in range(args.seeds)]
