@@ -30,8 +30,10 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
 (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) are the H200's: fitted to runs 14-15's
 points at 5.5 and 7 req/s and checked on their points at 8.5 (``benchmarks/twin_agreement.py
 --mps-fit``). A profile fitted on another card carries its own (``engine.mps``, written by
-``--mps-fit --write-profile``; the H100's differ: docs/benchmarks.md, "The H100's MPS constants in its profile"), and
-those win over the module's; a caller's arguments to ``MPSSharing`` win over both.
+``--mps-fit --write-profile``; the H100's differ: docs/benchmarks.md, "The H100's MPS constants
+in its profile"), and those win over the module's; a caller's arguments to ``MPSSharing`` win
+over both. Two hosts of one card model can differ as much as the constants' effect (run 21), so
+a fit describes the host its runs came from.
 The unit is the pod replica, as in ``sim.timeslice``: an encode pod's encode worker and its local
 prefill share the pod's one cap (one process, or one cap for both processes).
 """
