@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from easerve_runtime.profiles.measured import MPS_CONSTANTS
+
 if TYPE_CHECKING:
     from easerve_runtime.api import EPDDeploymentSpec
 
@@ -67,10 +69,14 @@ def run_files(globs: str) -> list[str]:
     return sorted({f for g in globs.split(",") if g for f in glob.glob(g)})
 
 
+def card_names(names: Any) -> str:
+    """GPU names as torch or nvidia-smi give them (``NVIDIA H100 80GB HBM3``), short and joined, for titles."""
+    return " / ".join(sorted({str(n).replace("NVIDIA ", "") for n in names if n})) or "GPU"
+
+
 def cards(runs_glob: str) -> str:
     """The GPUs the runs name (``gpu`` of each result file), for plot titles."""
-    names = {json.loads(Path(f).read_text()).get("gpu") for f in run_files(runs_glob)}
-    return " / ".join(sorted(n.replace("NVIDIA ", "") for n in names if n)) or "GPU"
+    return card_names(json.loads(Path(f).read_text()).get("gpu") for f in run_files(runs_glob))
 
 
 def log(msg: str) -> None:
@@ -340,7 +346,7 @@ def plot_points(rep: dict[str, Any], path: Path) -> None:
         ax.plot([lo, hi], [lo, hi], ls=":", color="grey")
         ax.set(xlabel=f"{key} (GPU)", ylabel=f"{key} (twin)", title=key)
         ax.grid(alpha=0.3)
-    gpus = " / ".join(sorted({str(r.get("gpu") or "GPU").replace("NVIDIA ", "") for r in rep["runs"]}))
+    gpus = card_names(r.get("gpu") for r in rep["runs"])
     fig.suptitle(f"the twin fed the engine's profile ({rep['profile_source']}) against the {gpus} runs, point by point")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -366,7 +372,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
                     label=f"{system} (twin)")
     axes[0].set(xlabel="offered rate (req/s)", ylabel="throughput (req/s)", title=f"{run['file'].split('/')[-1]}")
     axes[1].set(xlabel="offered rate (req/s)", ylabel="P99 TTFT (s)", yscale="log",
-                title=f"twin fed the engine's profile vs the {str(run.get('gpu') or 'GPU').replace('NVIDIA ', '')}")
+                title=f"twin fed the engine's profile vs the {card_names([run.get('gpu')])}")
     for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
@@ -381,7 +387,7 @@ MPS_FIT_MAX_RATE = 7.0
 """``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
 reports the points above it as held out (runs 14-15: fitted on 5.5 and 7 req/s, checked at 8.5,
 past the one H200's saturation, where repeats of one point moved 3x)."""
-MPS_KEYS = ("contention", "decode_corun", "decode_saturation")
+MPS_KEYS = MPS_CONSTANTS  # the constants a profile may carry (engine.mps), in one place
 
 
 def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[tuple[str, Any, dict[str, Any], int | None]]:

@@ -101,9 +101,9 @@ def main() -> int:
     ap.add_argument("--plot", type=Path, default=None)
     args = ap.parse_args()
 
-    from easerve_operator.tuning.agreement import drawn_rotation_starts
     from easerve_operator.tuning.space import apply_candidate
     from easerve_runtime.api import load_manifest
+    from easerve_runtime.policies.router import drawn_rotation_starts
     from easerve_runtime.profiles import spec_profile
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.topology import frontends_for

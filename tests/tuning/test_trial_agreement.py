@@ -7,10 +7,11 @@ import statistics
 from pathlib import Path
 
 import pytest
-from easerve_operator.tuning.agreement import START_DRAWS, drawn_rotation_starts, twin_prediction
+from easerve_operator.tuning.agreement import START_DRAWS, twin_prediction
 from easerve_operator.tuning.space import Alloc, Candidate, apply_candidate
 from easerve_runtime.api import load_manifest
 from easerve_runtime.metrics import observed_quantile
+from easerve_runtime.policies.router import drawn_rotation_starts
 from easerve_runtime.sim.runner import cached_model
 from easerve_runtime.sim.systems import simulate_system
 from easerve_runtime.topology import frontends_for

@@ -32,22 +32,9 @@ from easerve_operator.tuning.space import Alloc, Candidate, apply_candidate
 THROUGHPUT_TOLERANCE = 0.05
 P99_TOLERANCE = 0.10
 
-
 START_DRAWS = 11
 """How many draws of the frontends' rotation starts a prediction takes the median over (odd, so the
 median is one draw's figure)."""
-
-
-def drawn_rotation_starts(frontends: int, draws: int, seed: int = 1) -> list[list[int]]:
-    """``draws`` sets of rotation starts for ``frontends`` frontends, each start drawn as a live
-    frontend draws its own (``process_rotation_start`` of an identity; here a seeded random one, as
-    the twin cannot know the pods' and processes' names)."""
-    import random
-
-    from easerve_runtime.policies.router import process_rotation_start
-
-    rng = random.Random(seed)
-    return [[process_rotation_start(f"{rng.getrandbits(64):x}") for _ in range(frontends)] for _ in range(draws)]
 
 
 def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: int,
@@ -64,6 +51,7 @@ def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: i
     import statistics
 
     from easerve_runtime.metrics import observed_quantile
+    from easerve_runtime.policies.router import drawn_rotation_starts
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
     from easerve_runtime.topology import frontends_for
@@ -71,7 +59,8 @@ def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: i
 
     reqs = generate(spec, rate, requests, seed)
     k = frontends_for(spec)
-    starts: list[list[int] | None] = list(drawn_rotation_starts(k, draws)) if k >= 2 and draws > 1 else [None]
+    drawn = k >= 2 and draws > 1
+    starts: list[list[int] | None] = list(drawn_rotation_starts(k, draws)) if drawn else [None]
     runs = []
     for st in starts:
         result = simulate_system(spec, reqs, "easerve", cached_model(spec), frontends=k, frontend_starts=st)
@@ -85,7 +74,7 @@ def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: i
         })
     out: dict[str, Any] = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
     out["refused"] = int(out["refused"])
-    out["startDraws"] = len(starts) if starts != [None] else 0
+    out["startDraws"] = len(starts) if drawn else 0
     obs = [r["ttftP99Observed"] for r in runs]
     out["ttftP99Range"] = [min(obs), max(obs)]
     return out

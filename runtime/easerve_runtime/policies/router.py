@@ -15,6 +15,7 @@ Hence s = 1 is always REMOTE, s = 0 always LOCAL, and the counts are exact for e
 
 from __future__ import annotations
 
+import random
 import zlib
 from collections.abc import Hashable, Mapping, Sequence
 from enum import StrEnum
@@ -141,3 +142,14 @@ def process_rotation_start(identity: str) -> int:
     ``identity``, e.g. the pod's name and the process id), so pickers that cannot see each other's
     counts do not start in lockstep."""
     return zlib.crc32(identity.encode()) & 0xFFFF
+
+
+def drawn_rotation_starts(pickers: int, draws: int, seed: int = 1) -> list[list[int]]:
+    """``draws`` sets of rotation starts for ``pickers`` pickers, each start drawn as a live
+    frontend draws its own (``process_rotation_start`` of an identity; here a seeded random one,
+    as the twin cannot know the pods' and processes' names). Where the even spread
+    (``spread_rotation_starts``) is one no-lockstep case, these are the roll-outs a live
+    deployment may draw: the twin's prediction of a cluster trial takes its median over them
+    (``tuning.agreement``)."""
+    rng = random.Random(seed)
+    return [[process_rotation_start(f"{rng.getrandbits(64):x}") for _ in range(pickers)] for _ in range(draws)]
