@@ -226,10 +226,11 @@ def mps_caps_of(system: str) -> dict[str, float] | None:
 
 
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
-               mps_caps: dict[str, float] | None = None) -> dict[str, Any]:
+               mps_caps: dict[str, float] | None = None, model: Any = None) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
-    ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced)."""
+    ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced). ``model``: the spec's stage
+    model, given (``--mps-fit`` passes one carrying a grid point's MPS constants); None: built."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
@@ -240,7 +241,7 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
         return simulate_system(spec, reqs, "aggregated", layout=layout).summary
     # the run's own host: its processes time-slice the GPUs they share (sim.timeslice), or run
     # side by side under MPS with SM caps (sim.mpsshare)
-    return simulate_system(spec, reqs, "easerve", host_gpus=host_gpus, mps_caps=mps_caps).summary
+    return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps).summary
 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
@@ -414,59 +415,60 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
-    """Calibrate ``sim.mpsshare`` (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) on the
-    ``+mpsNN`` points of the runs: the grid point with the least mean |log(twin / GPU)| over
-    moderate-tier goodput, TPOT p50 and P99 TTFT at the fit points; the held-out points' errors at
-    that grid point beside it."""
+    """Calibrate the MPS twin's constants (``contention``, ``decode_corun``, ``decode_saturation``:
+    the ones a profile carries as ``engine.mps``) on the ``+mpsNN`` points of the runs: the grid
+    point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT p50 and P99 TTFT
+    at the fit points; the held-out points' errors at that grid point beside it.
+
+    Each grid point rides on a copy of each system's stage model (``StageModel.mps_constants``,
+    which ``sim.mpsshare.MPSSharing`` reads before its module values), so the fit sets no global
+    state and the profile's own constants are only its starting point."""
+    import copy
     import itertools
     import math
 
     from easerve_runtime.sim import mpsshare
+    from easerve_runtime.sim.systems import model_for
 
-    with tempfile.TemporaryDirectory() as t:
-        # the grid sets the module's constants; a card's own in the profile would win over them
-        doc = json.loads(profile.read_text())
-        current = (doc.get("engine") or {}).pop("mps", None)
-        bare = Path(t) / "profile-without-mps.json"
-        bare.write_text(json.dumps(doc))
-        pts = mps_points(bare, cpu_pre, runs_glob, Path(t))
-        if not pts:
-            raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
+    current = (json.loads(profile.read_text()).get("engine") or {}).get("mps")
+    with tempfile.TemporaryDirectory() as t:  # the specs name profile files written here
+        pts = mps_points(profile, cpu_pre, runs_glob, Path(t))
+        models = {system: model_for(spec) for system, spec, _, _ in pts}
+    if not pts:
+        raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
 
-        def errors(values: tuple[float, ...]) -> list[dict[str, Any]]:
-            mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION = values
-            rows = []
-            for system, spec, p, host in pts:
-                res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system))
-                meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
-                        "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
-                twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
-                        "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
-                        "throughput": res.get("throughput")}
-                err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
-                       for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
-                rows.append({"system": system, "rate": p["rate"], "held_out": p["rate"] > MPS_FIT_MAX_RATE,
-                             "repeats": len(p.get("repeats", [])) or 1, "measured": meas, "twin": twin,
-                             "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
-            return rows
+    def errors(values: tuple[float, ...]) -> list[dict[str, Any]]:
+        rows = []
+        for system, spec, p, host in pts:
+            model = copy.copy(models[system])
+            model.mps_constants = dict(zip(MPS_KEYS, values, strict=True))
+            res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model)
+            meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
+                    "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
+            twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
+                    "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
+                    "throughput": res.get("throughput")}
+            err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
+                   for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
+            rows.append({"system": system, "rate": p["rate"], "held_out": p["rate"] > MPS_FIT_MAX_RATE,
+                         "repeats": len(p.get("repeats", [])) or 1, "measured": meas, "twin": twin,
+                         "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
+        return rows
 
-        def score(rows: list[dict[str, Any]], held_out: bool) -> float:
-            sel = [r for r in rows if r["held_out"] == held_out]
-            return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
+    def score(rows: list[dict[str, Any]], held_out: bool) -> float:
+        sel = [r for r in rows if r["held_out"] == held_out]
+        return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
-        saved = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
-        now = tuple(float(current[k]) for k in MPS_KEYS) if current else saved
-        grid = []
-        try:
-            in_code = errors(now)
-            combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
-            for i, values in enumerate(combos):
-                rows = errors(values)
-                grid.append({**dict(zip(MPS_KEYS, values, strict=True)), "fit_error": round(score(rows, False), 4),
-                             "held_out_error": round(score(rows, True), 4), "rows": rows})
-                log(f"grid {i + 1}/{len(combos)}: {values} fit {grid[-1]['fit_error']}")
-        finally:
-            mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION = saved
+    module = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
+    now = tuple(float(current[k]) for k in MPS_KEYS) if current else module
+    in_code = errors(now)
+    grid = []
+    combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
+    for i, values in enumerate(combos):
+        rows = errors(values)
+        grid.append({**dict(zip(MPS_KEYS, values, strict=True)), "fit_error": round(score(rows, False), 4),
+                     "held_out_error": round(score(rows, True), 4), "rows": rows})
+        log(f"grid {i + 1}/{len(combos)}: {values} fit {grid[-1]['fit_error']}")
     best = min(grid, key=lambda g: g["fit_error"])
     return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",

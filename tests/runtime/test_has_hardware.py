@@ -219,3 +219,26 @@ def test_the_h100_profile_carries_its_own_mps_constants_and_a_fit_writes_them(tm
            "in_code": {"fit_error": 0.4}}
     assert ta.write_mps(fit, [f, tmp_path / "absent.json"], "runs") == [str(f)]
     assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25}
+
+
+def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module_alone(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mps-fit`` passes each grid point to the twin on a copy of the stage model
+    (``StageModel.mps_constants``) instead of setting ``sim.mpsshare``'s module constants: after a
+    fit the module reads as before, two grid points far apart predict differently (the constants
+    reach the twin although the H100's profile carries its own), and the starting point is the
+    profile's ``engine.mps``."""
+    import twin_agreement as ta
+    from easerve_runtime.sim import mpsshare
+
+    monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.0, 0.5), "decode_corun": (0.0,), "decode_saturation": (0.4,)})
+    before = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
+    results = REPO / "benchmarks" / "results"
+    fit = ta.mps_fit(results / "engine_profile_h100_llava7b_run20.json",
+                     results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json",
+                     str(results / "gpu_serve_h100_run19a_300req.json"))
+    assert (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION) == before
+    assert fit["in_code"]["from"] == "the profile's engine.mps"
+    errors = [g["fit_error"] for g in fit["grid"]]
+    assert len(errors) == 2 and errors[0] != errors[1]
+    assert fit["best"]["fit_error"] == min(errors)

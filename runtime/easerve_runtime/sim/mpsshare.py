@@ -72,8 +72,8 @@ class MPSSharing:
         self.loop = loop
         self.devices = devices
         self.model = model
-        # an argument wins, then the card's own fit in the profile (engine.mps), then the module's
-        # values, read at construction (not bound as defaults) so a calibration can set them
+        # an argument wins, then the card's own fit in the profile (engine.mps; a calibration's grid
+        # point rides on a copy of the stage model, twin_agreement --mps-fit), then the module's
         card = getattr(model, "mps_constants", None) or {}
         self.contention = card.get("contention", CONTENTION) if contention is None else contention
         self.decode_saturation = (card.get("decode_saturation", DECODE_SATURATION) if decode_saturation is None
