@@ -171,6 +171,65 @@ def calibrate_path(zero_load: Path, profile: Path, cpu_pre: Path) -> dict[str, A
     return out
 
 
+def loop_totals(dl: dict[str, Any]) -> tuple[float, float, int]:
+    """The aggregated loop's encode and prefill seconds over a point, and its iterations, from the
+    point's ``decode_loop`` counters: the totals where the run recorded them (``gpu_serve`` from
+    run 22 on), else the per-iteration means times the iterations, which the loop's busy time over
+    its mean iteration gives (runs before recorded no count)."""
+    iters = dl.get("loop_iterations") or round(1e3 * float(dl["loop_busy_s"]) / float(dl["loop_iteration_ms"]))
+    if "loop_encode_s" in dl and "loop_prefill_s" in dl:
+        return float(dl["loop_encode_s"]), float(dl["loop_prefill_s"]), int(iters)
+    return (float(dl["loop_encode_ms_per_iteration"]) * iters / 1e3,
+            float(dl["loop_prefill_ms_per_iteration"]) * iters / 1e3, int(iters))
+
+
+def calibrate_aggregated(run_globs: str, profile: Path, write: bool = False) -> dict[str, Any]:
+    """``engine.aggregated`` of the profile: the served aggregated worker's encode and prefill time
+    over the same requests' in the twin's aggregated replica (``sim.aggregated``, the profile's
+    points alone), at each aggregated system's lowest-rate point that carries the loop's counters
+    (a low-load run: ``gpu_serve.py --rates 0.5 --requests 40 --systems aggregated@2048``). With
+    ``write``, the mean ratios go into the profile file."""
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory() as t:
+        doc = json.loads(profile.read_text())
+        current = (doc.get("engine") or {}).pop("aggregated", None)
+        bare = Path(t) / "profile-without-aggregated.json"
+        bare.write_text(json.dumps(doc))
+        for f in run_files(run_globs):
+            run = json.loads(Path(f).read_text())
+            for system, sy in run.get("systems", {}).items():
+                pts = [p for p in sy.get("points", []) if (p.get("decode_loop") or {}).get("loop_prefill_ms_per_iteration")]
+                if not system.startswith("aggregated") or not pts:
+                    continue
+                p = min(pts, key=lambda q: q["rate"])
+                spec = parse_spec(twin_spec(sy["spec"], merged_profile(Path(t), bare, None)))
+                agg = spec.aggregated_engine
+                reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
+                res = simulate_system(spec, reqs, "aggregated", layout=(agg.tensor_parallel, 1, agg.token_budget))
+                enc, pre, iters = loop_totals(p["decode_loop"])
+                rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "requests": int(p["requests"]),
+                             "gpu": {"encode_s": round(enc, 3), "prefill_s": round(pre, 3), "iterations": iters},
+                             "twin": {"encode_s": round(res.stats["encode_s"], 3), "prefill_s": round(res.stats["prefill_s"], 3)},
+                             "encode_over_profile": round(enc / res.stats["encode_s"], 3),
+                             "prefill_over_profile": round(pre / res.stats["prefill_s"], 3)})
+    if not rows:
+        raise SystemExit(f"--calibrate-aggregated: no aggregated point with the loop's counters in {run_globs}")
+    ratios = {k: round(sum(r[k] for r in rows) / len(rows), 3) for k in ("encode_over_profile", "prefill_over_profile")}
+    out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-aggregated",
+                           "measured": "gpu (the aggregated loop's counters) over twin (the same requests)",
+                           "points": rows, "ratios": ratios, "profile_had": current}
+    if write:
+        doc = json.loads(profile.read_text())
+        doc["engine"]["aggregated"] = {**ratios, "measured_on": ", ".join(sorted({r["file"] for r in rows}))}
+        profile.write_text(json.dumps(doc, indent=1) + "\n")
+        out["written"] = str(profile)
+    return out
+
+
 def twin_spec(spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
     """A run's spec, served by the sim engine on the measured profile (and its model's name)."""
     d = json.loads(json.dumps(spec))
@@ -587,10 +646,18 @@ def main() -> int:
                         "the rest held out); prints the grid and the best point")
     p.add_argument("--write-profile", action="store_true",
                    help="with --mps-fit: write the best constants into --profile and --profile-cpu-preprocess "
-                        "(engine.mps, the card's own; the twin reads them instead of sim.mpsshare's)")
+                        "(engine.mps, the card's own; the twin reads them instead of sim.mpsshare's); with "
+                        "--calibrate-aggregated: write engine.aggregated into --profile")
+    p.add_argument("--calibrate-aggregated", default=None, metavar="RUNS",
+                   help="engine.aggregated: the served aggregated loop's encode and prefill per request over the "
+                        "twin's, at each aggregated system's lowest rate in RUNS (globs); with --write-profile, "
+                        "written into --profile")
     p.add_argument("--encode-check", action="store_true",
                    help="the encoder's time per micro-batch over its profile's, twin against the encode counters (run 17 on)")
     args = p.parse_args()
+    if args.calibrate_aggregated:
+        print(json.dumps(calibrate_aggregated(args.calibrate_aggregated, Path(args.profile), args.write_profile), indent=1))
+        return 0
     if args.encode_check:
         print(json.dumps(encode_check(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
         return 0

@@ -614,3 +614,47 @@ def test_bad_mps_constants_are_refused_naming_the_field(mps: dict[str, Any], exp
     doc["engine"]["mps"] = mps
     with pytest.raises(ValueError, match=re.escape(expected)):
         parse_profile_file(doc)
+
+
+def test_the_aggregated_loops_own_costs_in_the_profile_are_what_the_aggregated_twin_charges(tmp_path: Path) -> None:
+    """``engine.aggregated`` (read off a served low-load run by ``twin_agreement.py
+    --calibrate-aggregated``) multiplies exactly the aggregated replica's encode and prefill charge,
+    on the same requests, and a dearer charge lengthens the same run's TTFT; a profile without it
+    charges the points as they are, and the disaggregated pipeline does not read it."""
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    plain, dear = _engine_doc(), _engine_doc()
+    dear["engine"]["aggregated"] = {"encode_over_profile": 1.7, "prefill_over_profile": 1.2, "measured_on": "test"}
+    p = parse_profile_file(dear)
+    assert p.aggregated_loop == {"encode_over_profile": 1.7, "prefill_over_profile": 1.2}
+    assert parse_profile_file(plain).aggregated_loop is None
+    assert p.corrections is not None and p.corrections.summary()["aggregated"]["prefill_over_profile"] == 1.2
+    runs: dict[str, Any] = {}
+    for name, doc in (("plain", plain), ("dear", dear)):
+        f = tmp_path / f"{name}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        reqs = generate(spec, 0.02, 20, 3)  # one request in the loop at a time: the same iterations
+        runs[name] = (simulate_system(spec, reqs, "aggregated", layout=(1, 1, 8192)),
+                      simulate_system(spec, reqs, "easerve").summary)
+    (plain_agg, plain_epd), (dear_agg, dear_epd) = runs["plain"], runs["dear"]
+    assert dear_agg.stats["encode_s"] == pytest.approx(1.7 * plain_agg.stats["encode_s"])
+    assert dear_agg.stats["prefill_s"] == pytest.approx(1.2 * plain_agg.stats["prefill_s"])
+    assert dear_agg.summary["ttft"]["p50"] > plain_agg.summary["ttft"]["p50"]
+    assert dear_epd == plain_epd
+
+
+@pytest.mark.parametrize(
+    ("agg", "expected"),
+    [
+        ({"encode_over_profile": 0.0, "prefill_over_profile": 1.2}, "engine.aggregated.encode_over_profile"),
+        ({"encode_over_profile": 1.7}, "engine.aggregated.prefill_over_profile: Field required"),
+        ({"encode_over_profile": 1.7, "prefill_over_profile": 1.2, "decode": 1}, "engine.aggregated.decode: unknown field"),
+    ],
+)
+def test_bad_aggregated_loop_ratios_are_refused_naming_the_field(agg: dict[str, Any], expected: str) -> None:
+    doc = _engine_doc()
+    doc["engine"]["aggregated"] = agg
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        parse_profile_file(doc)

@@ -237,8 +237,44 @@ def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module
     fit = ta.mps_fit(results / "engine_profile_h100_llava7b_run20.json",
                      results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json",
                      str(results / "gpu_serve_h100_run19a_300req.json"))
-    assert (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION) == before
+    assert before == (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
     assert fit["in_code"]["from"] == "the profile's engine.mps"
     errors = [g["fit_error"] for g in fit["grid"]]
     assert len(errors) == 2 and errors[0] != errors[1]
     assert fit["best"]["fit_error"] == min(errors)
+
+
+def test_the_aggregated_calibration_reads_the_loops_counters_and_the_twin_then_matches_them(tmp_path: Path) -> None:
+    """``twin_agreement.py --calibrate-aggregated`` on run 22c (the aggregated loop served at 0.5
+    req/s on an H100): the ratios are the loop's own encode and prefill seconds over the twin's for
+    the same 40 requests; written into a copy of the H100 profile, the twin's aggregated replica then
+    charges what the loop measured, and a second calibration starts from the written ratios
+    without compounding them."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    prof = tmp_path / "profile.json"
+    doc = json.loads((results / "engine_profile_h100_llava7b_run20.json").read_text())
+    doc["engine"].pop("aggregated", None)
+    prof.write_text(json.dumps(doc))
+    runs = str(results / "gpu_serve_h100_run22c_40req.json")
+    first = ta.calibrate_aggregated(runs, prof, write=True)
+    (row,) = first["points"]
+    assert row["system"] == "aggregated@2048" and row["rate"] == 0.5 and row["requests"] == 40
+    assert row["encode_over_profile"] == pytest.approx(row["gpu"]["encode_s"] / row["twin"]["encode_s"], rel=1e-2)
+    assert row["encode_over_profile"] > 1.0 and row["prefill_over_profile"] > 1.0  # the loop pays more than the points
+    assert json.loads(prof.read_text())["engine"]["aggregated"]["prefill_over_profile"] == first["ratios"]["prefill_over_profile"]
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    served = json.loads((results / "gpu_serve_h100_run22c_40req.json").read_text())["systems"]["aggregated@2048"]
+    spec = parse_spec(ta.twin_spec(served["spec"], ta.merged_profile(tmp_path, prof, None)))
+    agg = spec.aggregated_engine
+    res = simulate_system(spec, generate(spec, 0.5, 40, ta.BENCH_SEED), "aggregated",
+                          layout=(agg.tensor_parallel, 1, agg.token_budget))
+    assert res.stats["encode_s"] == pytest.approx(row["gpu"]["encode_s"], rel=0.02)
+    assert res.stats["prefill_s"] == pytest.approx(row["gpu"]["prefill_s"], rel=0.02)
+    again = ta.calibrate_aggregated(runs, prof)
+    assert again["profile_had"]["encode_over_profile"] == first["ratios"]["encode_over_profile"]
+    assert again["ratios"] == first["ratios"]

@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 
 MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation")
 """The MPS twin's constants a profile may carry (``schema.MPSSharingDoc``, ``sim.mpsshare``)."""
+AGGREGATED_RATIOS = ("encode_over_profile", "prefill_over_profile")
+"""The aggregated loop's ratios a profile may carry (``schema.AggregatedLoopDoc``, ``sim.aggregated``)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +44,7 @@ class StageCorrections:
     decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step
     mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
     mps: Mapping[str, float] | None = None  # the MPS twin's constants fitted on this card (sim.mpsshare)
+    aggregated: Mapping[str, float] | None = None  # the aggregated loop's encode/prefill over the twin's
 
     def summary(self) -> dict[str, Any]:
         """The ratios at the measured points (what a report prints)."""
@@ -54,6 +57,8 @@ class StageCorrections:
             out["mixed_iteration"] = self.mixed_iteration
         if self.mps is not None:
             out["mps"] = dict(self.mps)
+        if self.aggregated is not None:
+            out["aggregated"] = dict(self.aggregated)
         for name in ("encode", "prefill", "decode"):
             c = getattr(self, name)
             if c is not None:
@@ -88,7 +93,9 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
     )
     path_ms = doc.get("request_path_ms")
     mps = doc.get("mps")
+    agg = doc.get("aggregated")
     return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
                             float(path_ms or 0.0) / 1e3, float(doc.get("decode_loop_overhead_ms") or 0.0) / 1e3,
                             str(doc.get("mixed_iteration") or "fused"),
-                            {k: float(mps[k]) for k in MPS_CONSTANTS} if mps else None)
+                            {k: float(mps[k]) for k in MPS_CONSTANTS} if mps else None,
+                            {k: float(agg[k]) for k in AGGREGATED_RATIOS} if agg else None)

@@ -105,6 +105,12 @@ class Profile:
         fitted on the H200."""
         return self.corrections.mps if self.corrections is not None else None
 
+    @property
+    def aggregated_loop(self) -> Mapping[str, float] | None:
+        """The aggregated worker's own encode and prefill per request over the twin's (an engine
+        profile's ``engine.aggregated``: ``encode_over_profile``, ``prefill_over_profile``); None: 1."""
+        return self.corrections.aggregated if self.corrections is not None else None
+
     # ------------------------------------------------------------------ sizes
     @property
     def weight_bytes(self) -> int:

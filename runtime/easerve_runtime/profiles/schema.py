@@ -205,6 +205,21 @@ class MPSSharingDoc(_Doc):
     fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
 
 
+class AggregatedLoopDoc(_Doc):
+    """What the engine's aggregated worker pays per admitted request for encode and prefill, over what
+    the twin charges from the points above for the same requests: read off the served loop's own
+    counters at low load (``benchmarks/twin_agreement.py --calibrate-aggregated --write-profile``).
+    The aggregated worker encodes and prefills one request at a time inside its loop (processor,
+    prompt assembly, KV handed to a decode slot), which the per-stage points, timed on the
+    disaggregated engines' calls, do not include. Unset: 1 (the points as they are)."""
+
+    encode_over_profile: float = Field(
+        gt=0, le=20, description="The aggregated loop's encode time per request over the twin's for the same requests.")
+    prefill_over_profile: float = Field(
+        gt=0, le=20, description="The aggregated loop's prefill time per request over the twin's for the same requests.")
+    measured_on: str | None = Field(default=None, description="The served run the ratios were read off, for reports.")
+
+
 class EngineDoc(_Doc):
     """Stage times measured on a serving engine (``easerve profile --engine torch``, docs/profiles.md,
     "Profiles measured on an engine"). The analytic model is kept for what was not measured (SM
@@ -237,6 +252,9 @@ class EngineDoc(_Doc):
     mps: MPSSharingDoc | None = Field(
         default=None, description="The MPS twin's constants for this card (sim.mpsshare), fitted on served runs; "
         "unset: the H200's.")
+    aggregated: AggregatedLoopDoc | None = Field(
+        default=None, description="The aggregated worker's own encode and prefill per request over the twin's "
+        "(sim.aggregated), read off a served low-load run; unset: 1.")
 
 
 class ProfileFileDoc(_Doc):

@@ -14,7 +14,11 @@ Each replica (``tp`` GPUs) runs one engine loop, as vLLM's scheduler does:
   does not fuse says so (``engine.mixed_iteration: sequential``, the torch engine's aggregated
   worker): it prefills whole prompts (the planner's ``chunked=False``), then steps decode, and
   the iteration costs ``encode + prefill + decode step``. Either way each iteration that decodes
-  pays the profile's measured ``decode_loop_overhead_ms`` (0 for a modelled profile).
+  pays the profile's measured ``decode_loop_overhead_ms`` (0 for a modelled profile), and encode
+  and prefill are charged at the served aggregated worker's own cost per request where the
+  profile carries it (``engine.aggregated``, read off a low-load run's loop counters: the worker
+  encodes and prefills one request at a time inside its loop, which the per-stage points, timed
+  on the engines' calls, leave out).
 - The vision/audio encoder is sharded over the replica's ``tp`` GPUs (vLLM uses tensor-parallel
   layers in its encoders), charged as encoding ⌈items/tp⌉ on one GPU.
 
@@ -68,6 +72,7 @@ class AggregatedReplica:
         self.outstanding = 0
         self.busy_s = 0.0
         self.encode_s = 0.0
+        self.prefill_s = 0.0
         self.iterations = 0
         self.items_sum = 0
         self.tokens_sum = 0
@@ -97,14 +102,19 @@ class AggregatedReplica:
         items = sum(c.item.req.encoder_items for c in it.chunks if c.first)
         tokens, n = it.tokens, it.decodes
         m = self.model
-        enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
+        # the served worker's own cost per request over the profiled engine calls (engine.aggregated)
+        ke, kp = m.aggregated_encode_scale, m.aggregated_prefill_scale
+        enc = ke * m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
+        prefill = 0.0
         if chunks and n and self.sequential:
-            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(chunks)) + m.decode_step_s(n, self.ctx_sum, self.tp)
+            prefill = kp * m.prefill_s(tokens, self.tp, 1.0, len(chunks))
+            dt = enc + prefill + m.decode_step_s(n, self.ctx_sum, self.tp)
         elif chunks and n:
-            prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
+            prefill = kp * m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
             dt = enc + max(prefill, m.decode_step_s(n, self.ctx_sum, self.tp))
         elif chunks:
-            dt = enc + m.prefill_s(tokens, self.tp, 1.0, len(chunks))
+            prefill = kp * m.prefill_s(tokens, self.tp, 1.0, len(chunks))
+            dt = enc + prefill
         else:
             dt = m.decode_step_s(n, self.ctx_sum, self.tp)
         if n:
@@ -114,6 +124,7 @@ class AggregatedReplica:
         self.decoded += n
         self.busy_s += dt
         self.encode_s += enc
+        self.prefill_s += prefill
         self.iterations += 1
         self.loop.at(self.loop.now + dt, self._end, chunks)
 
@@ -178,6 +189,8 @@ def run_aggregated(
     stats: dict[str, Any] = {
         "utilisation": {"replica": (busy / (replicas * horizon)) if horizon > 0 else None},
         "encode_share_of_busy": (sum(r.encode_s for r in reps) / busy) if busy > 0 else 0.0,
+        "encode_s": sum(r.encode_s for r in reps),
+        "prefill_s": sum(r.prefill_s for r in reps),
         "iterations": sum(r.iterations for r in reps),
         "encoded_items": sum(r.items_sum for r in reps),
         "prefilled_tokens": sum(r.tokens_sum for r in reps),

@@ -98,6 +98,11 @@ class StageModel:
         mps = getattr(profile, "mps_constants", None)
         self.mps_constants: dict[str, float] | None = dict(mps) if mps else None
         """The MPS twin's constants fitted on this card (``sim.mpsshare``); None: the module's (the H200's)."""
+        agg = getattr(profile, "aggregated_loop", None) or {}
+        self.aggregated_encode_scale = float(agg.get("encode_over_profile", 1.0))
+        self.aggregated_prefill_scale = float(agg.get("prefill_over_profile", 1.0))
+        """What the engine's aggregated worker pays per request for encode and prefill over these times
+        (measured on a served run, 1 unless the profile says): the aggregated replica's charge only."""
         self.total_sms = int(
             getattr(profile, "sms", 0)
             or getattr(profile, "sm_count", 0)
