@@ -211,6 +211,8 @@ def calibrate_aggregated(run_globs: str, profile: Path, write: bool = False) -> 
                 reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
                 res = simulate_system(spec, reqs, "aggregated", layout=(agg.tensor_parallel, 1, agg.token_budget))
                 enc, pre, iters = loop_totals(p["decode_loop"])
+                if not (res.stats["encode_s"] > 0 and res.stats["prefill_s"] > 0):
+                    raise SystemExit(f"--calibrate-aggregated: the twin encoded or prefilled nothing for {system} in {f}")
                 rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "requests": int(p["requests"]),
                              "gpu": {"encode_s": round(enc, 3), "prefill_s": round(pre, 3), "iterations": iters},
                              "twin": {"encode_s": round(res.stats["encode_s"], 3), "prefill_s": round(res.stats["prefill_s"], 3)},
