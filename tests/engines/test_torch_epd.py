@@ -276,6 +276,30 @@ def test_kv_staging_with_fewer_buffers_than_waiting_caches(llava: Path, engines:
     assert doc["engine"]["admits"] == 5 and doc["loop"]["admitted"] == 5 and doc["loop"]["iterations"] > 0
 
 
+def test_a_llava_next_batch_counts_its_crops_as_the_profile_and_the_twin_do(engines: dict[str, Any]) -> None:
+    """``batch_items`` (what the encode worker looks its profile and SM share up by) counts anyres
+    crops from each part's header descriptor, as the engine profile's points and the twin's requests
+    do (``workload.media.items_tokens``), not images; a part without a descriptor counts 1, a
+    text-only request 0."""
+    from easerve_runtime.engines.base import EncodeInput
+    from easerve_runtime.workload.media import items_tokens
+
+    enc = engines["encode"]
+    assert enc.family == "llava_next"
+    png = request(0)[0]
+    sizes = [(30, 60), (672, 672), (336, 1008)]
+    parts = [MediaPart("image", b"", "image/png", {"height": h, "width": w}) for h, w in sizes]
+    batch = [EncodeInput("a", (parts[0],), 0, ()), EncodeInput("b", (parts[1], parts[2]), 1, ()),
+             EncodeInput("c", (MediaPart("image", b"", "image/png", {}),), 2, ()), EncodeInput("t", (), 3, ())]
+    crops = [items_tokens("image", {"height": h, "width": w}, True)[0] for h, w in sizes]
+    assert crops == [3, 5, 4]
+    assert enc.batch_items(batch) == sum(crops) + 1 > len(sizes) + 1
+    from easerve_runtime.workers.wire import part_from_wire
+
+    served = part_from_wire(png["parts"][0])  # a request as the frontend hands it on: the descriptor travels
+    assert enc.batch_items([EncodeInput("r0", (served,), 0, ())]) == items_tokens("image", dict(served.media), True)[0]
+
+
 def test_chunked_encode_equals_one_pass(engines: dict[str, Any]) -> None:
     """The pipelined encode (chunks of 1 image, processor on the helper thread) gives the same
     token ids and embedding rows as one processor call and one tower pass over the batch."""

@@ -58,6 +58,7 @@ from easerve_runtime.engines.base import (
     PrefillOutput,
     Sampling,
 )
+from easerve_runtime.workload.media import items_tokens
 
 log = logging.getLogger("easerve.engine.hf")
 
@@ -487,7 +488,20 @@ class HFEncodeEngine(_Stage):
             self.fused_activations = fuse_quick_gelu(self.model)
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
-        return sum(len(r.parts) for r in batch)
+        """Encoder items of a micro-batch as the engine profile and the twin count them (anyres
+        crops, frame pairs, 30 s audio windows: ``workload.media.items_tokens`` of each part's header
+        descriptor), so the profile-indexed SM share and ``easerve_encode_profile_seconds`` look the
+        profile up on its own axis; a part without a usable descriptor counts 1. Counting images
+        here looked a LLaVA-NeXT batch up at about a quarter of its crops (docs/benchmarks.md, run 22)."""
+        anyres = self.family == "llava_next"
+        n = 0
+        for r in batch:
+            for part in r.parts:
+                try:
+                    n += items_tokens(part.kind, dict(part.media), anyres)[0] if part.media else 1
+                except (KeyError, TypeError, ValueError):
+                    n += 1
+        return n
 
     def _prompts(self, batch: Sequence[EncodeInput]) -> list[str]:
         return [
