@@ -255,7 +255,7 @@ def decode_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
         if f"{phase}_s" in after["loop"]:
             out[f"loop_{phase}_ms_per_iteration"] = round(1e3 * d("loop", f"{phase}_s") / iters, 2)
             out[f"loop_{phase}_s"] = round(d("loop", f"{phase}_s"), 4)  # the totals: twin_agreement --calibrate-aggregated
-    out["loop_iterations"] = int(iters)
+            out["loop_iterations"] = int(iters)
     for h in ("kv_len", "batch_bucket"):
         a, b = after["engine"].get(h, {}), before["engine"].get(h, {})
         out[h] = {k: v - b.get(k, 0) for k, v in sorted(a.items(), key=lambda kv: int(kv[0])) if v - b.get(k, 0)}

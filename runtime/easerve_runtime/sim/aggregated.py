@@ -58,10 +58,11 @@ class AggregatedReplica:
         token_budget: int = DEFAULT_PREFILL_TOKEN_BUDGET,
         max_seqs: int = DEFAULT_MAX_DECODE_SEQS,
     ) -> None:
-        self.loop, self.model, self.tp, self.name = loop, model, tp, name
+        # the worker's own encode and prefill per request where the profile measured them (engine.aggregated)
+        self.loop, self.model, self.tp, self.name = loop, model.aggregated_loop(), tp, name
         self.token_budget, self.max_seqs = token_budget, max_seqs
-        self.kv_capacity = model.kv_capacity_bytes(tp)
-        self.sequential = model.mixed_iteration == "sequential"
+        self.kv_capacity = self.model.kv_capacity_bytes(tp)
+        self.sequential = self.model.mixed_iteration == "sequential"
         self.planner: AggregatedPlanner[Job] = AggregatedPlanner(
             token_budget, max_seqs, self.kv_capacity, chunked=not self.sequential
         )
@@ -102,18 +103,16 @@ class AggregatedReplica:
         items = sum(c.item.req.encoder_items for c in it.chunks if c.first)
         tokens, n = it.tokens, it.decodes
         m = self.model
-        # the served worker's own cost per request over the profiled engine calls (engine.aggregated)
-        ke, kp = m.aggregated_encode_scale, m.aggregated_prefill_scale
-        enc = ke * m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
+        enc = m.encode_s(-(-items // self.tp), 1.0) if items else 0.0
         prefill = 0.0
         if chunks and n and self.sequential:
-            prefill = kp * m.prefill_s(tokens, self.tp, 1.0, len(chunks))
+            prefill = m.prefill_s(tokens, self.tp, 1.0, len(chunks))
             dt = enc + prefill + m.decode_step_s(n, self.ctx_sum, self.tp)
         elif chunks and n:
-            prefill = kp * m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
+            prefill = m.prefill_s(tokens + n, self.tp, 1.0, len(chunks) + n)
             dt = enc + max(prefill, m.decode_step_s(n, self.ctx_sum, self.tp))
         elif chunks:
-            prefill = kp * m.prefill_s(tokens, self.tp, 1.0, len(chunks))
+            prefill = m.prefill_s(tokens, self.tp, 1.0, len(chunks))
             dt = enc + prefill
         else:
             dt = m.decode_step_s(n, self.ctx_sum, self.tp)

@@ -98,11 +98,6 @@ class StageModel:
         mps = getattr(profile, "mps_constants", None)
         self.mps_constants: dict[str, float] | None = dict(mps) if mps else None
         """The MPS twin's constants fitted on this card (``sim.mpsshare``); None: the module's (the H200's)."""
-        agg = getattr(profile, "aggregated_loop", None) or {}
-        self.aggregated_encode_scale = float(agg.get("encode_over_profile", 1.0))
-        self.aggregated_prefill_scale = float(agg.get("prefill_over_profile", 1.0))
-        """What the engine's aggregated worker pays per request for encode and prefill over these times
-        (measured on a served run, 1 unless the profile says): the aggregated replica's charge only."""
         self.total_sms = int(
             getattr(profile, "sms", 0)
             or getattr(profile, "sm_count", 0)
@@ -111,6 +106,17 @@ class StageModel:
         )
 
     # -- encode ---------------------------------------------------------------------------
+    def aggregated_loop(self) -> StageModel:
+        """This model as the engine's aggregated worker pays it: encode and prefill times the
+        profile's ``engine.aggregated`` ratios (measured on a served low-load run), through the same
+        ``StageScales`` the live calibration uses; ``self`` where the profile carries none."""
+        agg = getattr(self.profile, "aggregated_loop", None)
+        if not agg:
+            return self
+        s = self.scales
+        return StageModel(self.profile, StageScales(s.encode * float(agg["encode_over_profile"]),
+                                                    s.prefill * float(agg["prefill_over_profile"]), s.decode))
+
     def encode_s(self, items: int, share: float = 1.0) -> float:
         key = (items, share)
         v = self._encode.get(key)
