@@ -169,39 +169,62 @@ def system_of(c: Any, preprocessing: str = "gpu", mps: int | None = None) -> str
 
 
 def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = TRIALS, seed: int = 0,
-         progress: bool = True, pre: str = "gpu", mps: int | None = None) -> dict[str, Any]:
+         progress: bool = True, pre: str = "gpu", mps: int | list[int] | None = None) -> dict[str, Any]:
     """HAS's plan at ``rate``: its pick and top 3, the baselines, each with the twin's figures; every
     EAServe candidate preprocessing as ``pre`` says (``spec.encode.preprocessing``: HAS does not
-    search it)."""
+    search it).
+
+    ``mps``: the SM cap of the encode and prefill processes (``+mpsNN``), or several: then the cap
+    is a dimension of the search. HAS runs once per cap (its trial budget each) and the plan ranks
+    the union of their trials with the tuner's own ranking, so the pick is the best (allocation,
+    B, s, cap) the twin found; the Dynamo-style baselines are swept over the same caps. Why: on
+    one host the cap decides how much of the GPU decode keeps while encode and prefill run, and
+    at 7 req/s on the H100 it moved Dynamo-style's measured goodput 1.5x (run 22: 4.27 at 70 %,
+    2.86 at 85 %); a plan held to one cap could not follow that."""
+    from easerve_operator.tuning.selection import Objective, rank
     from easerve_operator.tuning.space import enumerate_allocations
 
+    caps: list[int | None] = [None] if mps is None else ([mps] if isinstance(mps, int) else list(mps))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory() as t:
         tmp = Path(t)
-        result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress, pre, mps)
-        if result.best is None:
+        searches = []  # (cap, result, ranked)
+        for cap in caps:
+            result, ranked = has_search(rate, pods, requests, trials, seed, tmp, progress, pre, cap)
+            if result.best is not None:
+                searches.append((cap, result, ranked))
+        if not searches:
             raise SystemExit("HAS found no configuration that served on the twin")
-        pick = result.best.candidate
-        top = [r for r in ranked if r.candidate.key() == pick.key()]
-        top += [r for r in ranked if r.candidate.key() != pick.key()][: TOP - 1]
+        # each search's pick is its tuner's best (result.best); the plan's pick is the best of those
+        # by the same ranking, then the rest of every search's distinct trials fill the top
+        obj = Objective.parse(f"goodput@{TIER}")
+        bests = [(cap, next(r for r in ranked if r.candidate.key() == res.best.candidate.key()))
+                 for cap, res, ranked in searches]
+        pick = rank(bests, lambda cr: cr[1].metrics, obj)[0]
+        rest = [(cap, r) for cap, _, ranked in searches for r in ranked if (cap, r) != pick]
+        top = [pick, *rank(rest, lambda cr: cr[1].metrics, obj)[: TOP - 1]]
 
-        def entry(r: Any) -> dict[str, Any]:
-            name = system_of(r.candidate, pre, mps)
-            return {"system": name, **r.candidate.to_dict(), "has_trial_goodput": round(r.value, 4),
+        def entry(cap: int | None, r: Any) -> dict[str, Any]:
+            name = system_of(r.candidate, pre, cap)
+            return {"system": name, **r.candidate.to_dict(), "mps": cap, "has_trial_goodput": round(r.value, 4),
                     "twin": predict(name, rate, requests, tmp)}
 
-        dynamo = [point("dynamo-style", a).name + ("" if mps is None else f"+mps{mps}")
-                  for a in enumerate_allocations(pods, 1, local_prefill=False, tp_options=(1,))]
+        dynamo = [point("dynamo-style", a).name + ("" if cap is None else f"+mps{cap}")
+                  for cap in caps for a in enumerate_allocations(pods, 1, local_prefill=False, tp_options=(1,))]
         baselines = [*dynamo, *(f"aggregated@{k}" for k in AGGREGATED_TOKENS)]
-        tops = [entry(r) for r in top]
+        tops = [entry(cap, r) for cap, r in top]
+        first = searches[0][1]
         out = {
-            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS, "preprocessing": pre, "mps": mps,
+            "bench": "has_hardware", "mode": "plan", "rate": rate, "pods": pods, "host_gpus": HOST_GPUS, "preprocessing": pre,
+            "mps": tops[0]["mps"] if len(caps) > 1 else mps, **({"mps_searched": caps} if len(caps) > 1 else {}),
             "requests": requests, "seed": ta.BENCH_SEED, "slo_scale": SLO_SCALE, "objective": f"goodput@{TIER}",
-            "profile": str(PROFILES[0].relative_to(REPO)), "space": result.space.to_dict(),
-            "has": {"trials": len(result.real_trials), "trial_budget": trials, "stop": result.stop_reason,
-                    "stage1_kept": [s.alloc.label for s in result.stage1.seeds] if result.stage1 else [],
-                    "tried": [{"system": system_of(r.candidate, pre, mps), "goodput": None if r.value is None else round(r.value, 4)}
-                              for r in result.real_trials]},
+            "profile": str(PROFILES[0].relative_to(REPO)), "space": first.space.to_dict(),
+            "has": {"trials": sum(len(res.real_trials) for _, res, _ in searches),
+                    "trial_budget": trials * len(caps), "stop": first.stop_reason if len(caps) == 1 else
+                    {str(cap): res.stop_reason for cap, res, _ in searches},
+                    "stage1_kept": [s.alloc.label for s in first.stage1.seeds] if first.stage1 else [],
+                    "tried": [{"system": system_of(r.candidate, pre, cap), "goodput": None if r.value is None else round(r.value, 4)}
+                              for cap, res, _ in searches for r in res.real_trials]},
             "pick": tops[0]["system"], "top": tops,
             "baselines": [{"system": b, "twin": predict(b, rate, requests, tmp)} for b in baselines],
             "groups": {"has": [e["system"] for e in tops], "baselines": baselines},
@@ -343,9 +366,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--requests", type=int, default=REQUESTS, help="requests per trial (--plan) / per point (--deploy)")
     ap.add_argument("--trials", type=int, default=TRIALS, help="--plan: HAS's trial budget")
     ap.add_argument("--seed", type=int, default=0, help="--plan: HAS's search seed")
-    ap.add_argument("--mps", type=int, default=None, metavar="PERCENT",
+    ap.add_argument("--mps", type=lambda v: [int(x) for x in v.split(",")], default=None, metavar="PERCENT[,PERCENT...]",
                     help="--plan: every EAServe candidate and Dynamo-style baseline served under MPS with its "
-                         "encode and prefill processes capped at PERCENT of the SMs (+mpsNN; the twin's sim.mpsshare)")
+                         "encode and prefill processes capped at PERCENT of the SMs (+mpsNN; the twin's sim.mpsshare); "
+                         "several caps (70,85): the cap is searched too, HAS run once per cap")
     ap.add_argument("--preprocessing", choices=["gpu", "cpu"], default="gpu",
                     help="--plan: spec.encode.preprocessing of every EAServe candidate (run 13: cpu)")
     ap.add_argument("--save", nargs="?", const=str(PLAN), default=None, help="--plan: write the plan here")
@@ -377,7 +401,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--deploy needs --out")
         return deploy(args)
     doc = plan(args.rate, args.pods, args.requests, args.trials, args.seed, progress=not args.no_progress,
-               pre=args.preprocessing, mps=args.mps)
+               pre=args.preprocessing, mps=None if args.mps is None else (args.mps[0] if len(args.mps) == 1 else args.mps))
     line = json.dumps(doc)
     if args.save:
         Path(args.save).write_text(json.dumps(doc, indent=1) + "\n")

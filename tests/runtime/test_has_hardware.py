@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from easerve_operator.tuning.selection import DEFAULT_TIE_TOLERANCE
 from easerve_operator.tuning.space import Alloc
 from easerve_runtime.api import parse_spec
 
@@ -64,6 +65,28 @@ def test_a_plan_under_mps_caps_names_and_predicts_every_system_capped(tmp_path: 
     sliced = has_hardware.predict("dynamo-style:e1p1d1", 7.0, 40, tmp_path)
     capped = next(b for b in plan["baselines"] if b["system"] == "dynamo-style:e1p1d1+mps85")["twin"]
     assert capped != sliced  # the capped twin is not the time-sliced one
+
+
+def test_several_caps_make_the_cap_a_dimension_of_the_plan(tmp_path: Path) -> None:
+    """``--plan --mps 70,85``: HAS runs under each cap, and the plan's pick is the best of the two
+    searches' picks by the tuner's own ranking: the same system and goodput as the better of the
+    two one-cap plans, its cap recorded; Dynamo-style is swept over both caps."""
+    one = {cap: has_hardware.plan(7.0, pods=3, requests=40, trials=6, progress=False, mps=cap) for cap in (70, 85)}
+    both = has_hardware.plan(7.0, pods=3, requests=40, trials=6, progress=False, mps=[70, 85])
+    assert both["mps_searched"] == [70, 85] and both["has"]["trial_budget"] == 12
+    assert both["has"]["trials"] == one[70]["has"]["trials"] + one[85]["has"]["trials"]
+    better = max(one.values(), key=lambda p: p["top"][0]["has_trial_goodput"])
+    assert both["pick"] == better["pick"] and both["mps"] == better["mps"] == parse(both["pick"]).mps
+    assert both["top"][0]["has_trial_goodput"] == pytest.approx(better["top"][0]["has_trial_goodput"])
+    tried = {t["system"] for p in one.values() for t in p["has"]["tried"]}
+    assert {t["system"] for t in both["top"]} <= tried and len(both["top"]) == 3
+    # ranked by the tuner (goodput within its tie tolerance, then TTFT and TPOT): none beats the pick
+    best = both["top"][0]["has_trial_goodput"]
+    assert all(t["has_trial_goodput"] <= best * (1 + DEFAULT_TIE_TOLERANCE) + 1e-4 for t in both["top"])
+    assert both["groups"]["baselines"][:2] == ["dynamo-style:e1p1d1+mps70", "dynamo-style:e1p1d1+mps85"]
+    assert has_hardware.main(["--plan", "--mps", "70,85", "--rate", "7", "--requests", "40", "--trials", "6",
+                              "--no-progress", "--save", str(tmp_path / "p.json")]) == 0
+    assert json.loads((tmp_path / "p.json").read_text())["pick"] == both["pick"]
 
 
 # ------------------------------------------------------------------ --summary
