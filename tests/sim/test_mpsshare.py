@@ -99,6 +99,30 @@ def test_the_calibrated_constants_switch_the_saturation_rule_off() -> None:
 
 
 
+def test_the_h100_profiles_constants_leave_decodes_pace_to_the_co_run_not_the_cap() -> None:
+    """Runs 22-23 on two H100 hosts: the served decode step beside capped work was the same under
+    70 % and 85 % caps (Dynamo-style at 7 req/s 21.95 ms at 18.4 rows against 22.77 at 19.1; E1 P0
+    D1 at 5.5 20.63 ms at 13.8 rows against 19.62 at 13.2), where the saturation rule the H100's
+    first fit chose (0.4) charged decode 2x more under 85 %. The refit on runs 18-23 switched it
+    off: the profile's constants make decode's factor beside capped work the same at every cap."""
+    from pathlib import Path
+
+    from easerve_runtime.profiles.source import load_profile_file
+    from easerve_runtime.sim.latency import StageModel
+
+    h100 = Path(__file__).resolve().parents[2] / "benchmarks" / "results" / "engine_profile_h100_llava7b_run20.json"
+    model = StageModel(load_profile_file(h100))
+    assert model.mps_constants is not None and model.mps_constants["decode_saturation"] == mpsshare.MIN_FREE
+    factors = []
+    for cap in (0.5, 0.7, 0.85):
+        loop = EventLoop()
+        m = MPSSharing(loop, ONE_GPU, {"encode": cap, "local-prefill": cap, "prefill": cap}, model)
+        m.occupy("encode/0", 1.0)
+        factors.append(m.dilation("decode/0", "decode"))
+    c = model.mps_constants
+    assert factors == pytest.approx([(1 + c["decode_corun"]) * (1 + c["contention"])] * 3)
+
+
 def test_the_twin_reports_the_encoders_time_over_the_profile_as_the_live_counters_do(llava_spec, toy_model) -> None:
     """``stats.encode_over_profile`` is the live ``engine_over_profile`` (the encode workers'
     counters, run 17 on): 1 on GPUs of their own, above 1 when the encoder shares its GPU with
