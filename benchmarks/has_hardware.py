@@ -14,6 +14,8 @@ Three modes:
   baselines' sweep (Dynamo-style over the same budget's allocations, ``aggregated@1024/2048/4096``).
   ``--save`` writes it to ``benchmarks/results/has_hardware_plan_h200.json``, which ``--deploy``
   reads: the GPU machine has no Optuna, and the deployed names must be the committed plan's.
+  ``--mps 85`` plans every system under that SM cap; ``--mps 50,70,85`` searches the cap too (HAS
+  once per cap, the pick the best of their picks; run 23 in docs/benchmarks.md).
 - ``--deploy --out DIR`` (GPU machine): ``gpu_goodput.py`` (gpu_serve at 300 requests a point)
   over the plan's systems (``--group has|baselines|all``), one system at a time, each point saved
   as it is measured (``DIR/gpu_serve.json``); a system whose estimated time (start-up, warm-up,
