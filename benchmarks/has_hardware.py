@@ -177,12 +177,12 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
     search it).
 
     ``mps``: the SM cap of the encode and prefill processes (``+mpsNN``), or several: then the cap
-    is a dimension of the search. HAS runs once per cap (its trial budget each) and the plan ranks
-    the union of their trials with the tuner's own ranking, so the pick is the best (allocation,
-    B, s, cap) the twin found; the Dynamo-style baselines are swept over the same caps. Why: on
-    one host the cap decides how much of the GPU decode keeps while encode and prefill run, and
-    at 7 req/s on the H100 it moved Dynamo-style's measured goodput 1.5x (run 22: 4.27 at 70 %,
-    2.86 at 85 %); a plan held to one cap could not follow that."""
+    is a dimension of the search. HAS runs once per cap (its trial budget each); the plan's pick is
+    the best of those searches' own picks by the tuner's ranking, and the rest of their distinct
+    trials, ranked the same way, fill the top; the Dynamo-style baselines are swept over the same
+    caps. Why: the cap trades the encode and prefill processes' pace against the GPU they leave,
+    and at 7 req/s on an H100 it moved Dynamo-style's measured goodput 1.5x (run 22: 4.27 at
+    70 %, 2.86 at 85 %); a plan held to one cap could not follow that."""
     from easerve_operator.tuning.selection import Objective, rank
     from easerve_operator.tuning.space import enumerate_allocations
 
@@ -203,7 +203,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         bests = [(cap, next(r for r in ranked if r.candidate.key() == res.best.candidate.key()))
                  for cap, res, ranked in searches]
         pick = rank(bests, lambda cr: cr[1].metrics, obj)[0]
-        rest = [(cap, r) for cap, _, ranked in searches for r in ranked if (cap, r) != pick]
+        rest = [(cap, r) for cap, _, ranked in searches for r in ranked if r is not pick[1]]
         top = [pick, *rank(rest, lambda cr: cr[1].metrics, obj)[: TOP - 1]]
 
         def entry(cap: int | None, r: Any) -> dict[str, Any]:
