@@ -444,7 +444,7 @@ def plot(rep: dict[str, Any], path: Path) -> None:
 
 
 MPS_GRID = {"contention": (0.1, 0.2, 0.3, 0.4, 0.5), "decode_corun": (0.0, 0.3, 0.5, 0.7, 0.9),
-            "decode_saturation": (0.05, 0.25, 0.4, 0.55)}
+            "decode_saturation": (0.05, 0.25, 0.4, 0.55), "encode_corun": (0.0, 0.3, 0.6, 0.9, 1.2)}
 MPS_FIT_MAX_RATE = 7.0
 """``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
 reports the points above it as held out (runs 14-15: fitted on 5.5 and 7 req/s, checked at 8.5,
@@ -476,8 +476,8 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
-    """Calibrate the MPS twin's constants (``contention``, ``decode_corun``, ``decode_saturation``:
-    the ones a profile carries as ``engine.mps``) on the ``+mpsNN`` points of the runs: the grid
+    """Calibrate the MPS twin's constants (``contention``, ``decode_corun``, ``decode_saturation``,
+    ``encode_corun``: the ones a profile carries as ``engine.mps``) on the ``+mpsNN`` points of the runs: the grid
     point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT p50 and P99 TTFT
     at the fit points; the held-out points' errors at that grid point beside it.
 
@@ -520,8 +520,9 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
         sel = [r for r in rows if r["held_out"] == held_out]
         return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
-    module = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
-    now = tuple(float(current[k]) for k in MPS_KEYS) if current else module
+    module = {"contention": mpsshare.CONTENTION, "decode_corun": mpsshare.DECODE_CORUN,
+              "decode_saturation": mpsshare.DECODE_SATURATION, "encode_corun": mpsshare.ENCODE_CORUN}
+    now = tuple(float((current or {}).get(k, module[k])) for k in MPS_KEYS)
     in_code = errors(now)
     grid = []
     combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
@@ -550,7 +551,7 @@ def write_mps(fit: dict[str, Any], profiles: list[Path], runs: str) -> list[str]
             continue
         doc = json.loads(f.read_text())
         doc.setdefault("engine", {})["mps"] = {
-            **{k: fit["best"][k] for k in MPS_KEYS},
+            **{k: fit["best"][k] for k in MPS_KEYS if k in fit["best"]},
             "fitted_on": f"twin_agreement.py --mps-fit on {runs} (error {fit['best']['fit_error']}, "
                          f"{fit['in_code']['fit_error']} before)"}
         f.write_text(json.dumps(doc, indent=1) + "\n")
@@ -562,7 +563,9 @@ def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]
     """The encoder, twin against GPU, at every capped point that carries the encode workers' own
     counters (run 17 on): the engine's time per micro-batch over the profile's for the same batches
     (``encode.engine_over_profile``; the twin's ``stats.encode_over_profile``), requests per batch,
-    and the point's P99 TTFT beside them.
+    and the point's P99 TTFT beside them; and each stage's time per batch and queue wait per
+    request in milliseconds, as the counters read them, so a TTFT miss can be placed in a stage
+    without a profile in between (run 23).
 
     Why: run 17 read the encoder at 2.0-3.2x its profile beside decode under MPS, and the question
     was whether the twin charges that (then a P99 miss lies elsewhere) or not (then the encoder's
@@ -581,13 +584,26 @@ def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]
             reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
             res = simulate_system(spec, reqs, "easerve", host_gpus=host, mps_caps=mps_caps_of(system))
             twin = float(res.stats.get("encode_over_profile") or 0.0)
+            gpf = p.get("prefill") or {}
             rows.append({"system": system, "rate": p["rate"],
                          "encode_over_profile": {"gpu": enc["engine_over_profile"], "twin": round(twin, 3)},
                          "requests_per_batch": {"gpu": enc.get("requests_per_batch"),
                                                 "twin": round(float(res.stats.get("mean_encode_batch") or 0.0), 2)},
+                         # absolute times, as the counters read them: no profile in between
+                         "encode_ms_per_batch": {"gpu": enc.get("engine_ms_per_batch"),
+                                                 "twin": round(float(res.stats.get("encode_ms_per_batch") or 0.0), 2)},
+                         "encode_queue_wait_ms": {"gpu": enc.get("queue_wait_ms_mean"),
+                                                  "twin": round(float(res.stats.get("encode_queue_wait_ms_mean") or 0.0), 2)},
                          "prefill_over_profile": {
-                             st: {"gpu": (p.get("prefill") or {}).get(st, {}).get("engine_over_profile"),
+                             st: {"gpu": gpf.get(st, {}).get("engine_over_profile"),
                                   "twin": None if v["over_profile"] is None else round(float(v["over_profile"]), 3)}
+                             for st, v in (res.stats.get("prefill") or {}).items()},
+                         "prefill_ms_per_batch": {
+                             st: {"gpu": gpf.get(st, {}).get("engine_ms_per_batch"), "twin": round(float(v["ms_per_batch"]), 2)}
+                             for st, v in (res.stats.get("prefill") or {}).items()},
+                         "prefill_queue_wait_ms": {
+                             st: {"gpu": gpf.get(st, {}).get("queue_wait_ms_mean"),
+                                  "twin": round(float(v["queue_wait_ms_mean"]), 2)}
                              for st, v in (res.stats.get("prefill") or {}).items()},
                          "ttft_p99": {"gpu": round(p["ttft"]["p99"], 4), "twin": round(float(res.summary["ttft"]["p99"]), 4)},
                          "ttft_p50": {"gpu": round(p["ttft"]["p50"], 4), "twin": round(float(res.summary["ttft"]["p50"]), 4)}})

@@ -580,7 +580,8 @@ def test_a_cards_mps_constants_in_the_profile_win_over_the_h200s_in_the_twin(tmp
     plain, fitted = _engine_doc(), _engine_doc()
     fitted["engine"]["mps"] = card
     p = parse_profile_file(fitted)
-    assert p.mps_constants == {k: card[k] for k in ("contention", "decode_corun", "decode_saturation")}
+    # encode_corun unset: the schema's default, none
+    assert p.mps_constants == {**{k: card[k] for k in ("contention", "decode_corun", "decode_saturation")}, "encode_corun": 0.0}
     assert parse_profile_file(plain).mps_constants is None
     assert p.corrections is not None and p.corrections.summary()["mps"]["decode_corun"] == 1.5
     one = {"encode/0": frozenset({0}), "decode/0": frozenset({0})}
@@ -607,6 +608,7 @@ def test_a_cards_mps_constants_in_the_profile_win_over_the_h200s_in_the_twin(tmp
         ({"contention": 0.3, "decode_corun": 0.0, "decode_saturation": 0.0}, "engine.mps.decode_saturation"),
         ({"contention": 0.3, "decode_saturation": 0.4}, "engine.mps.decode_corun: Field required"),
         ({"contention": 0.3, "decode_corun": 0.0, "decode_saturation": 0.4, "bandwidth": 1}, "engine.mps.bandwidth: unknown field"),
+        ({"contention": 0.3, "decode_corun": 0.0, "decode_saturation": 0.4, "encode_corun": -0.5}, "engine.mps.encode_corun"),
     ],
 )
 def test_bad_mps_constants_are_refused_naming_the_field(mps: dict[str, Any], expected: str) -> None:

@@ -241,7 +241,8 @@ def test_the_h100_profile_carries_its_own_mps_constants_and_a_fit_writes_them(tm
     fit = {"best": {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25, "fit_error": 0.2},
            "in_code": {"fit_error": 0.4}}
     assert ta.write_mps(fit, [f, tmp_path / "absent.json"], "runs") == [str(f)]
-    assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25}
+    assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25,
+                                                  "encode_corun": 0.0}  # not in the fit: the schema's default
 
 
 def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module_alone(
@@ -254,7 +255,8 @@ def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module
     import twin_agreement as ta
     from easerve_runtime.sim import mpsshare
 
-    monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.0, 0.5), "decode_corun": (0.0,), "decode_saturation": (0.4,)})
+    monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.0, 0.5), "decode_corun": (0.0,), "decode_saturation": (0.4,),
+                                         "encode_corun": (0.0,)})
     before = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
     results = REPO / "benchmarks" / "results"
     fit = ta.mps_fit(results / "engine_profile_h100_llava7b_run20.json",

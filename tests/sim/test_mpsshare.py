@@ -99,6 +99,23 @@ def test_the_calibrated_constants_switch_the_saturation_rule_off() -> None:
 
 
 
+def test_an_encoder_batch_beside_other_work_pays_the_encode_co_run(toy_model) -> None:
+    """Run 23's counters: on the H100 the served encoder beside decode took 1.3-1.8x what the twin
+    charged from its cap's SM curve and the contention. ``encode_corun`` charges that: an encoder
+    micro-batch dispatched while another pod has work in flight pays ``1 + encode_corun`` on top;
+    alone it pays its cap only, and a capped prefill does not pay it."""
+    loop = EventLoop()
+    caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+    m = MPSSharing(loop, ONE_GPU, caps, toy_model, contention=0.1, decode_saturation=mpsshare.MIN_FREE,
+                   decode_corun=0.0, encode_corun=0.5)
+    alone = m.dilation("encode/0", "encode")
+    assert alone == pytest.approx(m.share_factor("encode", 0.85))
+    m.occupy("decode/0", 5.0)
+    assert m.dilation("encode/0", "encode") == pytest.approx(alone * 1.5 * 1.1)
+    assert m.dilation("prefill/0", "prefill") == pytest.approx(m.share_factor("prefill", 0.85) * 1.1)
+    assert MPSSharing(EventLoop(), ONE_GPU, caps, toy_model).encode_corun == mpsshare.ENCODE_CORUN == 0.0
+
+
 def test_the_h100_profiles_constants_leave_decodes_pace_to_the_co_run_not_the_cap() -> None:
     """Runs 22-23 on two H100 hosts: the served decode step beside capped work was the same under
     70 % and 85 % caps (Dynamo-style at 7 req/s 21.95 ms at 18.4 rows against 22.77 at 19.1; E1 P0

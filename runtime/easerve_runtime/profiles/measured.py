@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from easerve_runtime.profiles.profile import Profile
 
 
-MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation")
+MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation", "encode_corun")
 """The MPS twin's constants a profile may carry (``schema.MPSSharingDoc``, ``sim.mpsshare``)."""
 AGGREGATED_RATIOS = ("encode_over_profile", "prefill_over_profile")
 """The aggregated loop's ratios a profile may carry (``schema.AggregatedLoopDoc``, ``sim.aggregated``)."""
@@ -97,5 +97,5 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
     return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
                             float(path_ms or 0.0) / 1e3, float(doc.get("decode_loop_overhead_ms") or 0.0) / 1e3,
                             str(doc.get("mixed_iteration") or "fused"),
-                            {k: float(mps[k]) for k in MPS_CONSTANTS} if mps else None,
+                            {k: float(mps[k]) for k in MPS_CONSTANTS if k in mps} if mps else None,
                             {k: float(agg[k]) for k in AGGREGATED_RATIOS} if agg else None)

@@ -190,7 +190,7 @@ class DecodePointDoc(_Doc):
 
 class MPSSharingDoc(_Doc):
     """How pods that share this GPU under MPS slow each other (``sim.mpsshare``), fitted on this card's
-    served runs (``benchmarks/twin_agreement.py --mps-fit --write-profile``): the three constants of
+    served runs (``benchmarks/twin_agreement.py --mps-fit --write-profile``): the constants of
     the MPS twin. Unset, the twin uses the ones fitted on the H200 (runs 14-15)."""
 
     contention: float = Field(
@@ -202,6 +202,10 @@ class MPSSharingDoc(_Doc):
     decode_saturation: float = Field(
         gt=0, le=1, description="The SM fraction on which a decode step reaches the GPU's memory bandwidth: with "
         "less left to it by the caps in flight, it runs that much slower (0.05 turns the rule off).")
+    encode_corun: float = Field(
+        default=0.0, ge=0, le=5, description="An encoder micro-batch dispatched while another pod on the GPU has "
+        "work in flight pays 1 + this as well (on the H100 the served encoder beside decode took 1.3-1.8x what "
+        "the twin charged without it, run 23); 0: none.")
     fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
 
 

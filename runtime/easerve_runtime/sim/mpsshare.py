@@ -25,8 +25,12 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
   encoder's and the prefill's kernels take from it whichever SMs they hold.
 - **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
   contention``: the two compete for memory bandwidth and caches whatever the SM split.
+- **The encoder beside other work:** an encoder micro-batch dispatched while another pod has work
+  in flight pays ``1 + encode_corun`` as well. On the H100 (runs 21-23) the served encoder took
+  1.3-1.8x what the twin charged from its SM curve and the contention alone, in every capped
+  system (``twin_agreement.py --encode-check``, milliseconds per batch); the H200's fit has none.
 
-``contention``, ``decode_corun`` and ``decode_saturation`` belong to the card. The module's
+``contention``, ``decode_corun``, ``decode_saturation`` and ``encode_corun`` belong to the card. The module's
 (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) are the H200's: fitted to runs 14-15's
 points at 5.5 and 7 req/s and checked on their points at 8.5 (``benchmarks/twin_agreement.py
 --mps-fit``). A profile fitted on another card carries its own (``engine.mps``, written by
@@ -50,6 +54,7 @@ CONTENTION = 0.20
 DECODE_CORUN = 0.70
 MIN_FREE = 0.05
 DECODE_SATURATION = MIN_FREE
+ENCODE_CORUN = 0.0
 """Fitted on runs 14-15 (``twin_agreement.py --mps-fit``). The fit sets ``DECODE_SATURATION`` to
 ``MIN_FREE``, which turns the saturation rule off: on the GPU two 85 % caps in flight together did
 not starve decode (Dynamo-style ``+mps85`` stepped 17.1 ms at 22 rows, EAServe's one 85 % pod 16.8
@@ -65,7 +70,8 @@ class MPSSharing:
 
     def __init__(self, loop: EventLoop, devices: dict[str, frozenset[int]], caps: Mapping[str, float],
                  model: StageModel, contention: float | None = None,
-                 decode_saturation: float | None = None, decode_corun: float | None = None) -> None:
+                 decode_saturation: float | None = None, decode_corun: float | None = None,
+                 encode_corun: float | None = None) -> None:
         """``caps``: stage name (``encode``, ``local-prefill``, ``prefill``, ``decode``) -> SM
         fraction in (0, 1]; a stage not named is uncapped. A pod replica's cap is its stage's (an
         encode pod's: ``encode``'s, else ``local-prefill``'s)."""
@@ -79,6 +85,7 @@ class MPSSharing:
         self.decode_saturation = (card.get("decode_saturation", DECODE_SATURATION) if decode_saturation is None
                                   else decode_saturation)
         self.decode_corun = card.get("decode_corun", DECODE_CORUN) if decode_corun is None else decode_corun
+        self.encode_corun = card.get("encode_corun", ENCODE_CORUN) if encode_corun is None else encode_corun
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}
@@ -127,6 +134,8 @@ class MPSSharing:
             total = cap + sum(other_caps)
             share = cap / total if total > 1.0 else cap
             factor = self.share_factor("encode" if work == "encode" else "prefill", share)
+            if work == "encode" and others:
+                factor *= 1.0 + self.encode_corun
         if others:
             factor *= 1.0 + self.contention
         self.dispatches += 1

@@ -60,7 +60,7 @@ DEFAULT_SEND_WINDOW: int = EncodeSpec().send_window
 class Job:
     """One request moving through the pipeline, with its record."""
 
-    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "origin", "dest")
+    __slots__ = ("req", "rec", "tokens", "route", "kv_need", "origin", "dest", "queued_s")
 
     def __init__(self, req: Request) -> None:
         self.req = req
@@ -70,6 +70,7 @@ class Job:
         self.route: str | None = None
         self.origin: PostEncodeRouter[str] | None = None  # the encode worker's router that sent it
         self.dest = ""  # where that router sent it (LOCAL or a remote prefill worker's name)
+        self.queued_s = 0.0  # when it entered the queue it waits in now (encode batcher, prefill batcher)
 
 
 class Busy:
@@ -245,6 +246,9 @@ class PrefillWorker(Busy):
         self.profile_s = 0.0
         """The profile's time of the batches run, without the GPU's sharing: ``busy_s / profile_s`` is
         the live prefill counters' ``engine_over_profile``."""
+        self.wait_s = 0.0
+        """Seconds its requests waited in its queue before their batch started, summed: over
+        ``requests_sum``, the live prefill counters' ``queue_wait_ms_mean``."""
         self._profiled = False
         self.members: dict[int, tuple[float, float]] = {}
         self.sliced = 1.0
@@ -261,6 +265,7 @@ class PrefillWorker(Busy):
 
     def enqueue(self, jobs: list[Job]) -> None:
         for j in jobs:
+            j.queued_s = self.loop.now
             self.batcher.add(j, j.tokens)
         if not self.batch:
             self._start()
@@ -270,6 +275,7 @@ class PrefillWorker(Busy):
         if not batch:
             return
         self.batch, self.tokens = batch, tokens
+        self.wait_s += sum(self.loop.now - j.queued_s for j in batch)
         self.batches += 1
         self.tokens_sum += tokens
         self.requests_sum += len(batch)
@@ -382,6 +388,9 @@ class EncodeWorker(Busy):
         self.profile_s = 0.0
         """The profile's time of the micro-batches run (items, SM share), without the GPU's sharing:
         ``busy_s / profile_s`` is the live encode counters' ``engine_over_profile``."""
+        self.wait_s = 0.0
+        """Seconds its requests waited in the batcher before their micro-batch was dispatched, summed:
+        per request, the live encode counters' ``queue_wait_ms_mean``."""
         self.window_waits = 0
         self.member = member  # this GPU's rank within its local prefill worker's TP group
         if local is not None:
@@ -392,6 +401,7 @@ class EncodeWorker(Busy):
         return {"remote": self.router.remote_count, "local": self.router.local_count}
 
     def on_arrival(self, job: Job) -> None:
+        job.queued_s = self.loop.now
         self.outstanding += 1
         self.batcher.on_arrival(job, self.loop.now)
         self._kick()
@@ -421,6 +431,7 @@ class EncodeWorker(Busy):
         self._wake_at = None
         jobs: tuple[Job, ...] = d.items
         self.reasons[str(d.reason)] = self.reasons.get(str(d.reason), 0) + 1
+        self.wait_s += sum(now - j.queued_s for j in jobs)
         items = sum(j.req.encoder_items for j in jobs)
         local_active = self.local is not None and bool(self.local.batch)
         share, dilation = self.shares.encode_share(items, local_active)

@@ -250,11 +250,17 @@ def run_pipeline(
         "encode_batches": enc_batches,
         "mean_encode_batch": (sum(e.batch_sum for e in encoders) / enc_batches) if enc_batches else 0.0,
         "encode_over_profile": (sum(e.busy_s for e in encoders) / prof) if (prof := sum(e.profile_s for e in encoders)) else None,
+        # as the live counters read them (gpu_serve's encode / prefill rows): waits per request,
+        # engine time per batch
+        "encode_queue_wait_ms_mean": 1e3 * sum(e.wait_s for e in encoders) / max(1, sum(e.batch_sum for e in encoders)),
+        "encode_ms_per_batch": 1e3 * sum(e.busy_s for e in encoders) / max(1, enc_batches),
         "prefill": {
             stage: {
                 "batches": sum(p.batches for p in ws),
                 "requests_per_batch": sum(p.requests_sum for p in ws) / max(1, sum(p.batches for p in ws)),
                 "over_profile": (sum(p.busy_s for p in ws) / pp) if (pp := sum(p.profile_s for p in ws)) else None,
+                "queue_wait_ms_mean": 1e3 * sum(p.wait_s for p in ws) / max(1, sum(p.requests_sum for p in ws)),
+                "ms_per_batch": 1e3 * sum(p.busy_s for p in ws) / max(1, sum(p.batches for p in ws)),
             }
             for stage, ws in (("local-prefill", locals_), ("prefill", remote)) if ws
         },
