@@ -54,12 +54,14 @@ CONTENTION = 0.20
 DECODE_CORUN = 0.70
 MIN_FREE = 0.05
 DECODE_SATURATION = MIN_FREE
-ENCODE_CORUN = 0.0
 """Fitted on runs 14-15 (``twin_agreement.py --mps-fit``). The fit sets ``DECODE_SATURATION`` to
 ``MIN_FREE``, which turns the saturation rule off: on the GPU two 85 % caps in flight together did
 not starve decode (Dynamo-style ``+mps85`` stepped 17.1 ms at 22 rows, EAServe's one 85 % pod 16.8
 ms at 22), and a wider cap did not slow it (12.9 ms at 11 rows under 50 %, 12.8 at 10 under 85 %).
 The rule stays for hardware where a profile's fit says otherwise."""
+ENCODE_CORUN = 0.0
+"""No encoder co-run term on the H200 (its fit had none); a card's profile may carry its own
+(``engine.mps.encode_corun``: the H100's, run 23)."""
 REF_ITEMS = 4
 REF_TOKENS = 2048
 """The encode batch and prefill length at which a cap's slowdown is read off the profile."""
