@@ -520,9 +520,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
         sel = [r for r in rows if r["held_out"] == held_out]
         return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
-    module = {"contention": mpsshare.CONTENTION, "decode_corun": mpsshare.DECODE_CORUN,
-              "decode_saturation": mpsshare.DECODE_SATURATION, "encode_corun": mpsshare.ENCODE_CORUN}
-    now = tuple(float((current or {}).get(k, module[k])) for k in MPS_KEYS)
+    now = tuple(float((current or {}).get(k, mpsshare.DEFAULTS[k])) for k in MPS_KEYS)
     in_code = errors(now)
     grid = []
     combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))

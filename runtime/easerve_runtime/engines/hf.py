@@ -58,7 +58,7 @@ from easerve_runtime.engines.base import (
     PrefillOutput,
     Sampling,
 )
-from easerve_runtime.workload.media import items_tokens
+from easerve_runtime.workload.media import encoder_items
 
 log = logging.getLogger("easerve.engine.hf")
 
@@ -493,15 +493,7 @@ class HFEncodeEngine(_Stage):
         descriptor), so the profile-indexed SM share and ``easerve_encode_profile_seconds`` look the
         profile up on its own axis; a part without a usable descriptor counts 1. Counting images
         here looked a LLaVA-NeXT batch up at about a quarter of its crops (docs/benchmarks.md, run 22)."""
-        anyres = self.family == "llava_next"
-        n = 0
-        for r in batch:
-            for part in r.parts:
-                try:
-                    n += items_tokens(part.kind, dict(part.media), anyres)[0] if part.media else 1
-                except (KeyError, TypeError, ValueError):
-                    n += 1
-        return n
+        return encoder_items((p for r in batch for p in r.parts), self.family == "llava_next", default=1)
 
     def _prompts(self, batch: Sequence[EncodeInput]) -> list[str]:
         return [

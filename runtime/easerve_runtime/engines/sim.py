@@ -43,7 +43,7 @@ from easerve_runtime.engines.base import (
     PrefillInput,
     PrefillOutput,
 )
-from easerve_runtime.workload.media import is_anyres, items_tokens
+from easerve_runtime.workload.media import encoder_items, is_anyres, items_tokens
 
 VOCAB_SIZE = 32_000
 EMBED_DTYPE = "bfloat16"
@@ -194,7 +194,7 @@ class SimEngine:
 
     def batch_items(self, batch: Sequence[EncodeInput]) -> int:
         """Encoder items of a micro-batch (what the partition table is indexed by)."""
-        return sum(self.part_items_tokens(p)[0] for r in batch for p in r.parts)
+        return encoder_items((p for r in batch for p in r.parts), self.anyres)
 
     # -- EncodeEngine ---------------------------------------------------------------------
     async def encode(self, batch: Sequence[EncodeInput], sm_share: float = 1.0) -> list[Embedding]:

@@ -62,6 +62,9 @@ The rule stays for hardware where a profile's fit says otherwise."""
 ENCODE_CORUN = 0.0
 """No encoder co-run term on the H200 (its fit had none); a card's profile may carry its own
 (``engine.mps.encode_corun``: the H100's, run 23)."""
+DEFAULTS: dict[str, float] = {"contention": CONTENTION, "decode_corun": DECODE_CORUN,
+                              "decode_saturation": DECODE_SATURATION, "encode_corun": ENCODE_CORUN}
+"""The module's constants by the names a profile's ``engine.mps`` uses: what a card without its own fit gets."""
 REF_ITEMS = 4
 REF_TOKENS = 2048
 """The encode batch and prefill length at which a cap's slowdown is read off the profile."""
@@ -82,12 +85,11 @@ class MPSSharing:
         self.model = model
         # an argument wins, then the card's own fit in the profile (engine.mps; a calibration's grid
         # point rides on a copy of the stage model, twin_agreement --mps-fit), then the module's
-        card = getattr(model, "mps_constants", None) or {}
-        self.contention = card.get("contention", CONTENTION) if contention is None else contention
-        self.decode_saturation = (card.get("decode_saturation", DECODE_SATURATION) if decode_saturation is None
-                                  else decode_saturation)
-        self.decode_corun = card.get("decode_corun", DECODE_CORUN) if decode_corun is None else decode_corun
-        self.encode_corun = card.get("encode_corun", ENCODE_CORUN) if encode_corun is None else encode_corun
+        card = {**DEFAULTS, **(getattr(model, "mps_constants", None) or {})}
+        self.contention = card["contention"] if contention is None else contention
+        self.decode_saturation = card["decode_saturation"] if decode_saturation is None else decode_saturation
+        self.decode_corun = card["decode_corun"] if decode_corun is None else decode_corun
+        self.encode_corun = card["encode_corun"] if encode_corun is None else encode_corun
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}

@@ -17,6 +17,7 @@ These follow the encoders' own patching so that request sizes match the real mod
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 CLIP_TOKENS = 576  # 24×24 patches of 14 px on a 336-px crop
@@ -88,3 +89,20 @@ def items_tokens(modality: str, media: dict[str, Any], anyres: bool = False) -> 
     if modality == "text":
         return 0, 0
     raise ValueError(f"modality: unsupported {modality!r} (image, video, audio or text)")
+
+
+def encoder_items(parts: Iterable[Any], anyres: bool, default: int | None = None) -> int:
+    """Encoder items of media parts (anything with ``kind`` and a ``media`` descriptor), summed: the
+    one count the engine profile, the twin and every encode engine index encode time by (a
+    micro-batch's ``batch_items``). ``default``: what a part without a usable descriptor counts
+    (a served request may carry none); None: such a part is an error."""
+    n = 0
+    for part in parts:
+        if default is None:
+            n += items_tokens(part.kind, dict(part.media), anyres)[0]
+            continue
+        try:
+            n += items_tokens(part.kind, dict(part.media), anyres)[0] if part.media else default
+        except (KeyError, TypeError, ValueError):
+            n += default
+    return n
