@@ -47,6 +47,7 @@ from easerve_runtime.api import (
     SYSTEM_PORT,
     Backend,
     DeploymentMode,
+    DiscoveryBackend,
     EPDDeploymentSpec,
     LocalPrefillProcess,
     PartitionMode,
@@ -280,6 +281,15 @@ def frontends_for(spec: EPDDeploymentSpec, hardware: Hardware | None = None) -> 
     ``spec`` (one per encode pod; one per engine in aggregated mode). ``easerve serve`` runs one
     and says so (``EASERVE_FRONTENDS``)."""
     return frontends(plan(spec, hardware))
+
+
+def frontends_ranked(spec: EPDDeploymentSpec) -> bool:
+    """Do the deployment's frontends rank themselves among each other (``workers.frontend_rank``)
+    and so start their encode rotations evenly spread, as the twin does? Yes where Dynamo's
+    discovery lists each process's instances by lease (``etcd``, ``file``); with ``kubernetes`` a
+    frontend keeps a start hashed from its pod and process, a fresh draw per roll-out, and a
+    prediction of a trial takes its median over draws (``tuning.agreement``)."""
+    return str(spec.discovery.backend) != DiscoveryBackend.KUBERNETES
 
 
 def local_prefill_in_encode(spec: EPDDeploymentSpec) -> bool:

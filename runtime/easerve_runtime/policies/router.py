@@ -104,11 +104,20 @@ class LeastOutstanding:
     (one frontend per encode pod, each encode worker towards the prefill pool) and all begin at 0
     pick in lockstep: the first request of every frontend goes to the first encoder, the next
     of every frontend to the second, so k frontends send bursts of k to one encoder while the
-    others idle. The live pools give each process its own start (``process_rotation_start``)."""
+    others idle. The live pools give each process its own start (``process_rotation_start``), and
+    the frontends' encode pools restart at their rank's place in an even spread once they know it
+    (``ranked_rotation_start``)."""
 
     __slots__ = ("_next",)
 
     def __init__(self, start: int = 0) -> None:
+        if start < 0:
+            raise ValueError(f"start: must be >= 0, got {start}")
+        self._next = start
+
+    def restart(self, start: int) -> None:
+        """Begin the rotation again at ``start`` (a picker that learnt its rank among its peers,
+        ``ranked_rotation_start``)."""
         if start < 0:
             raise ValueError(f"start: must be >= 0, got {start}")
         self._next = start
@@ -125,16 +134,33 @@ class LeastOutstanding:
 def spread_rotation_starts(candidates: int, pickers: int) -> list[int]:
     """Rotation starts for ``pickers`` pickers over ``candidates``, spread evenly (0, n/k, 2n/k, ...).
 
-    Why: the twin's frontends stand for live ones whose starts are hashes of their pods and
-    processes (``process_rotation_start``), so no two run in step by design, and the twin cannot
-    know the draw. Hashing fixed names in the twin instead ("frontend-0", "frontend-1", ...) put
+    Why: the twin's frontends stand for live ones that take these starts by their rank among the
+    deployment's frontends (``ranked_rotation_start``; with the ``kubernetes`` discovery backend,
+    which does not list them, each draws a hash of its pod and process instead,
+    ``process_rotation_start``). Hashing fixed names in the twin instead ("frontend-0", "frontend-1", ...) put
     all three frontends of the 6-encoder all-local trial at the same start (all 4 mod 6): the twin
     modelled the lockstep this rotation exists to avoid, and read that trial's mean TTFT 10 % over
     the cluster's (runs 21-25). An even spread is the no-lockstep case; over 20 random draws the
     twin's mean TTFT of that trial lies within 1 % of it."""
     if candidates < 1 or pickers < 1:
         raise ValueError(f"spread_rotation_starts: need candidates and pickers >= 1, got {candidates}, {pickers}")
-    return [i * candidates // pickers for i in range(pickers)]
+    return [ranked_rotation_start(i, pickers, candidates) for i in range(pickers)]
+
+
+def ranked_rotation_start(rank: int, pickers: int, candidates: int) -> int:
+    """The start of picker ``rank`` of ``pickers`` over ``candidates``: its place in the even spread
+    (``spread_rotation_starts``), which a live picker takes once it knows its rank among its peers
+    (the frontends rank themselves through discovery, ``workers.frontend_rank``).
+
+    Why: a start hashed from the process (``process_rotation_start``) is a fresh draw on every
+    roll-out, and where frontends share the encode workers the draw moved a trial's P99 TTFT across
+    the whole 10 % bar in both directions (the LLaVA example's all-local trial on the cluster read
+    0.76-1.19 of the twin's median over draws, runs 21-26). Ranked, every roll-out runs the spread,
+    which is also what the twin runs."""
+    if not 0 <= rank < pickers or candidates < 1:
+        raise ValueError(f"ranked_rotation_start: need 0 <= rank < pickers and candidates >= 1, "
+                         f"got rank {rank}, pickers {pickers}, candidates {candidates}")
+    return rank * candidates // pickers
 
 
 def process_rotation_start(identity: str) -> int:

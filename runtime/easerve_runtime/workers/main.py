@@ -24,7 +24,7 @@ from typing import Any
 from easerve_runtime.api import Backend, EPDDeploymentSpec, RuntimeConfig
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.router import process_rotation_start
-from easerve_runtime.topology import PARTITION_GPU_ENV, local_prefill_in_encode, plan
+from easerve_runtime.topology import PARTITION_GPU_ENV, frontends_ranked, local_prefill_in_encode, plan
 from easerve_runtime.workers.dynamo_rt import (
     COMPONENT_DECODE,
     COMPONENT_ENCODE,
@@ -357,6 +357,12 @@ async def _run_frontend(
     from easerve_runtime.workers.frontend import Frontend
 
     fe = Frontend(cfg, encode, metrics)
+    ranking = None
+    if frontends_ranked(cfg.spec):
+        from easerve_runtime.workers.frontend_rank import FrontendRank
+
+        ranking = FrontendRank(runtime, cfg.dynamo_namespace, encode)
+        await ranking.start()
     runner = web.AppRunner(fe.app(), handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -370,6 +376,8 @@ async def _run_frontend(
     while fe.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await runner.cleanup()
+    if ranking is not None:
+        await ranking.stop()
     runtime.shutdown()
     return 0
 

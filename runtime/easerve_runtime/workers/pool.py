@@ -26,7 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from easerve_runtime.policies.router import LeastOutstanding
+from easerve_runtime.policies.router import LeastOutstanding, ranked_rotation_start
 from easerve_runtime.workers.dynamo_rt import is_unavailable, request_context
 
 QUARANTINE_S = 30.0
@@ -70,8 +70,24 @@ class Pool:
         self._quarantine: dict[int, float] = {}
         # each process its own start: pools of different processes count only their own requests
         self._picker = LeastOutstanding(rotation_start)
+        self._rank: tuple[int, int] | None = None
+        self._phased: tuple[int, int, int] | None = None
         self.watch_s = WATCH_S
         self.hung_s = HUNG_S
+
+    def set_rank(self, rank: int, pickers: int) -> None:
+        """This process is picker ``rank`` of ``pickers`` peers that pick from the same instances
+        (the deployment's frontends, ``workers.frontend_rank``): the rotation restarts at the rank's
+        place in an even spread over the live instances (``ranked_rotation_start``) at the next
+        pick, and again whenever the rank, the peers or the instances change."""
+        if not 0 <= rank < pickers:
+            raise ValueError(f"set_rank: need 0 <= rank < pickers, got {rank}, {pickers}")
+        self._rank = (rank, pickers)
+
+    @property
+    def rank(self) -> tuple[int, int] | None:
+        """(rank, pickers) once known (``set_rank``), else None: the hashed start stands."""
+        return self._rank
 
     def instances(self) -> list[int]:
         """Live instance ids in id order, quarantined ones excluded.
@@ -98,7 +114,8 @@ class Pool:
 
     def pick(self, exclude: set[int] | None = None, extra: dict[int, int] | None = None) -> int:
         """The live instance with the fewest outstanding requests (plus ``extra`` not yet sent)."""
-        ids = [i for i in self.instances() if not exclude or i not in exclude]
+        live = self.instances()
+        ids = [i for i in live if not exclude or i not in exclude]
         if not ids:
             raise StageError(f"no live {self.name} instance", retryable=True)
         load = self.outstanding
@@ -106,6 +123,9 @@ class Pool:
             load = dict(load)
             for k, v in extra.items():
                 load[k] = load.get(k, 0) + v
+        if self._rank is not None and (phase := (*self._rank, len(live))) != self._phased:
+            self._picker.restart(ranked_rotation_start(self._rank[0], self._rank[1], len(live)))
+            self._phased = phase
         return self._picker.pick(ids, load)
 
     @property

@@ -1,0 +1,93 @@
+"""Each frontend's rank among the deployment's frontends, learnt through Dynamo's discovery.
+
+Why: every frontend picks the encode worker of each request with its own ``LeastOutstanding``
+rotation, counting only its own requests. Where they all started at one place they picked in
+lockstep; a start hashed from the pod and process (``process_rotation_start``) avoids that only by
+chance, and the draw is fresh on every roll-out: on the local cluster it moved the LLaVA example's
+all-local trial (three frontends over six encoders) from 0.76 to 1.19 of the twin's P99 TTFT (runs
+21-26, docs/benchmarks.md). Ranked, frontend ``r`` of ``k`` starts at ``r * n / k`` of the ``n``
+encoders (``policies.router.ranked_rotation_start``), the even spread the twin runs, on every
+roll-out.
+
+How: each frontend serves a small endpoint, ``<namespace>.frontend.generate``, that answers its
+rank. Its own instance id is its endpoint's ``connection_id()``; the peers are the endpoint's
+instances in id order, so every frontend ranks them alike. The rank is re-read every ``RANK_S``
+and handed to the encode pool (``Pool.set_rank``), which restarts its rotation when the rank, the
+number of frontends or the number of encoders changes. Until a frontend sees itself listed, its
+hashed start stands.
+
+Only where discovery lists a process's instances by lease (``etcd``, ``file``): with the
+``kubernetes`` backend instances are published per pod (the pod's system port and metadata), and a
+frontend is a second process in the encode pod, so it keeps the hashed start
+(``topology.frontends_ranked``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from easerve_runtime.workers.dynamo_rt import ENDPOINT
+from easerve_runtime.workers.pool import Pool
+
+log = logging.getLogger("easerve.frontend")
+
+COMPONENT_FRONTEND = "frontend"
+RANK_S = 1.0
+"""How often a frontend re-reads its peers (seconds): a trial's load starts after every pod is
+ready, well after the first read."""
+
+
+def rank_of(me: int, peers: list[int]) -> tuple[int, int] | None:
+    """(rank, count) of instance ``me`` among ``peers`` in id order; None until ``me`` is listed."""
+    ids = sorted(set(peers))
+    return (ids.index(me), len(ids)) if me in ids else None
+
+
+class FrontendRank:
+    """Serves this frontend's rank endpoint and keeps ``pool``'s rank current."""
+
+    def __init__(self, runtime: Any, namespace: str, pool: Pool, every_s: float = RANK_S) -> None:
+        self.endpoint = runtime.endpoint(f"{namespace}.{COMPONENT_FRONTEND}.{ENDPOINT}")
+        self.pool = pool
+        self.every_s = every_s
+        self.rank: tuple[int, int] | None = None
+        self._tasks: list[asyncio.Future[Any]] = []
+
+    async def _answer(self, _request: Any, *_: Any) -> AsyncIterator[dict[str, Any]]:
+        """What a peer (or an operator debugging a roll-out) reads: this frontend's rank."""
+        rank = self.rank
+        yield {"instance": self.endpoint.connection_id(), "rank": rank[0] if rank else None,
+               "frontends": rank[1] if rank else None}
+
+    async def start(self) -> None:
+        self._tasks.append(asyncio.ensure_future(self.endpoint.serve_endpoint(self._answer)))
+        client = await self.endpoint.client()
+        self._tasks.append(asyncio.ensure_future(self._follow(client)))
+
+    def refresh(self, client: Any) -> tuple[int, int] | None:
+        """Read the peers once and hand a new rank to the pool."""
+        rank = rank_of(int(self.endpoint.connection_id()), [int(i) for i in client.instance_ids()])
+        if rank is not None and rank != self.rank:
+            log.info("frontend rank %d of %d", *rank)
+            self.pool.set_rank(*rank)
+        self.rank = rank or self.rank
+        return rank
+
+    async def _follow(self, client: Any) -> None:
+        while True:
+            try:
+                self.refresh(client)
+            except Exception:  # noqa: BLE001 - discovery hiccups must not take the frontend down
+                log.exception("frontend rank: reading the peers failed")
+            await asyncio.sleep(self.every_s)
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
