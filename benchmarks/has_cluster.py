@@ -195,7 +195,9 @@ def main() -> int:
         print(json.dumps(reagree(json.loads(args.reagree.read_text()), args.rate, args.requests), indent=1))
         return 0
     if args.summary:
-        out = {p.name: json.loads(p.read_text())["result"] for p in sorted(RESULTS.glob("has_cluster*.json"))}
+        docs = {p.name: json.loads(p.read_text()) for p in sorted(RESULTS.glob("has_cluster*.json"))}
+        # the searches' own files; the re-agreements beside them (--reagree's output) have no result
+        out = {name: d["result"] for name, d in docs.items() if isinstance(d, dict) and "result" in d}
         print(json.dumps(out, indent=1))
         return 0
     if args.replot is not None:

@@ -287,8 +287,7 @@ def frontends_ranked(spec: EPDDeploymentSpec) -> bool:
     """Do the deployment's frontends rank themselves among each other (``workers.frontend_rank``)
     and so start their encode rotations evenly spread, as the twin does? Yes where Dynamo's
     discovery lists each process's instances by lease (``etcd``, ``file``); with ``kubernetes`` a
-    frontend keeps a start hashed from its pod and process, a fresh draw per roll-out, and a
-    prediction of a trial takes its median over draws (``tuning.agreement``)."""
+    frontend keeps a start hashed from its pod and process, a fresh draw per roll-out."""
     return str(spec.discovery.backend) != DiscoveryBackend.KUBERNETES
 
 

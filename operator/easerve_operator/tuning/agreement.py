@@ -10,10 +10,10 @@ comparison is like with like:
   ``AdmissionQueue``; ``sim.frontdoor``): a trial whose capacity estimate lies under the offered
   rate refuses a few requests at the door, the slowest ones, and a twin that admitted them predicted
   4-5 % more throughput and a P99 TTFT 1.25-1.5x the cluster's on exactly those trials;
-- the twin's frontends start their encode rotations evenly spread, as the live ones do once they
-  have ranked themselves through discovery (``workers.frontend_rank``); with the ``kubernetes``
-  discovery backend each live frontend draws a hashed start instead, and with two or more frontends
-  the twin's figures are then medians over drawn starts (``twin_prediction``);
+- with two or more frontends, the twin's figures are medians over drawn rotation starts
+  (``twin_prediction``): where the live frontends draw their starts (``kubernetes`` discovery) no
+  one start stands for every roll-out, and where they rank themselves (``workers.frontend_rank``)
+  they start evenly spread but do not stay so (below);
 - the twin's P99 is passed through the measuring instrument (``metrics.observed_quantile``: the
   twin's TTFTs counted into the runtime's TTFT buckets, then Prometheus's interpolation), since a
   Prometheus percentile is resolved to its bucket (9 % wide) and the twin's is exact.
@@ -41,29 +41,34 @@ median is one draw's figure)."""
 
 def twin_prediction(spec: EPDDeploymentSpec, rate: float, requests: int, seed: int,
                     draws: int = START_DRAWS) -> dict[str, Any]:
-    """The twin's figures for ``spec`` on the search's seeded workload, its frontends' rotations
-    started as the live ones start theirs: evenly spread where they rank themselves
-    (``topology.frontends_ranked``), else each figure is its median over ``draws`` draws of hashed
-    starts.
+    """The twin's figures for ``spec`` on the search's seeded workload: with two or more frontends,
+    each figure is its median over ``draws`` draws of the frontends' rotation starts.
 
-    Why the draws where frontends do not rank: each such live frontend starts its encode rotation
-    at a hash of its pod and process, so two roll-outs of one trial draw different starts, and where
-    frontends share the encode workers the draw moves the trial's P99 TTFT (the all-local trial of
-    the LLaVA example: 0.63-1.00 of the even spread's over 11 draws, median 0.82; runs 21-26 of the
-    cluster, before the frontends ranked, read 0.76-1.19 of that median). ``ttftP99Range`` gives
-    the draws' lowest and highest observed P99 (one run's where the starts are spread)."""
+    Why the median: each live frontend starts its remote-prefill rotation at a hash of its pod and
+    process, so two roll-outs of one trial draw different starts, and where frontends share the
+    encode workers the draw moves the trial's P99 TTFT (the all-local trial of the LLaVA example:
+    0.63-1.00 of the even spread's over 11 draws, median 0.82; runs 21-24 of the cluster read
+    0.76-1.03 of that median). The even spread the twin used before is the best case, not the
+    typical one. ``ttftP99Range`` gives the draws' lowest and highest observed P99.
+
+    Frontends that rank themselves through discovery (etcd, file: ``workers.frontend_rank``) start
+    evenly spread on every roll-out, yet the median stays the prediction: each frontend's rotation
+    moves with its own picks, which follow the timing of its own requests, so the spread is where
+    the phases start, not where they stay. Cluster run 27, the first with ranked frontends, read the
+    all-local trial's P99 at 0.79 of the spread's and 0.96 of the median; runs 21-26 (drawn starts)
+    read 0.62-0.97 of the spread's, all under it (docs/benchmarks.md, "Run 27")."""
     import statistics
 
     from easerve_runtime.metrics import observed_quantile
     from easerve_runtime.policies.router import drawn_rotation_starts
     from easerve_runtime.sim.runner import cached_model
     from easerve_runtime.sim.systems import simulate_system
-    from easerve_runtime.topology import frontends_for, frontends_ranked
+    from easerve_runtime.topology import frontends_for
     from easerve_runtime.workload.generate import generate
 
     reqs = generate(spec, rate, requests, seed)
     k = frontends_for(spec)
-    drawn = k >= 2 and draws > 1 and not frontends_ranked(spec)
+    drawn = k >= 2 and draws > 1
     starts: list[list[int] | None] = list(drawn_rotation_starts(k, draws)) if drawn else [None]
     runs = []
     for st in starts:
