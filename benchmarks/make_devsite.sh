@@ -4,6 +4,10 @@
 # stripped of its static symbols, 174 MB, and xz-compressed to 38 MB, so the folder and the
 # tracked tree travel within a 64 MiB carry) and the wheels of the
 # runtime's pure dependencies for CPython 3.12. benchmarks/devsite.sh unpacks it there.
+# The two parts (dynamo/ 37 MB, wheels/ 11 MB) and the tracked tree (~16 MB, 2026-12) now pass
+# the device's 64 MiB carry together, so carry them in two calls on one warm machine: first
+# .devsite/wheels with `pip install --no-index --find-links .devsite/wheels --target .devsite/site ...`
+# (an ignored output the machine keeps between calls), then .devsite/dynamo for the runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -155,8 +155,9 @@ def ranked_rotation_start(rank: int, pickers: int, candidates: int) -> int:
     Why: a start hashed from the process (``process_rotation_start``) is a fresh draw on every
     roll-out, and where frontends share the encode workers the draw moved a trial's P99 TTFT across
     the whole 10 % bar in both directions (the LLaVA example's all-local trial on the cluster read
-    0.76-1.19 of the twin's median over draws, runs 21-26). Ranked, every roll-out runs the spread,
-    which is also what the twin runs."""
+    0.76-1.19 of the twin's median over draws, runs 21-26). Ranked, every roll-out starts at the
+    spread, the twin's starts. The rotations then move with each frontend's own requests, so the
+    phases drift from it (run 27 read that trial at 0.96 of the median, 0.79 of the spread's)."""
     if not 0 <= rank < pickers or candidates < 1:
         raise ValueError(f"ranked_rotation_start: need 0 <= rank < pickers and candidates >= 1, "
                          f"got rank {rank}, pickers {pickers}, candidates {candidates}")

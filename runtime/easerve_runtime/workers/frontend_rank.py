@@ -6,8 +6,10 @@ lockstep; a start hashed from the pod and process (``process_rotation_start``) a
 chance, and the draw is fresh on every roll-out: on the local cluster it moved the LLaVA example's
 all-local trial (three frontends over six encoders) from 0.76 to 1.19 of the twin's P99 TTFT (runs
 21-26, docs/benchmarks.md). Ranked, frontend ``r`` of ``k`` starts at ``r * n / k`` of the ``n``
-encoders (``policies.router.ranked_rotation_start``), the even spread the twin runs, on every
-roll-out.
+encoders (``policies.router.ranked_rotation_start``), the even spread the twin starts from, on
+every roll-out. It fixes the start, not the phase: each rotation then moves with its frontend's own
+requests, and the first cluster search with ranked frontends (run 27) read that trial inside the
+range of the drawn starts.
 
 How: each frontend serves a small endpoint, ``<namespace>.frontend.generate``, that answers its
 rank. Its own instance id is its endpoint's ``connection_id()``; the peers are the endpoint's
