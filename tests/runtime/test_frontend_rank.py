@@ -75,6 +75,7 @@ async def main():
     pool = Pool(NoEncoders(), "encode")
     rank = FrontendRank(rt, "ns_rank", pool, every_s=0.1)
     await rank.start()
+    at_start = rank.rank  # start() returns once this frontend sees itself listed: ranked before its port opens
     for _ in range(300):
         if rank.rank and rank.rank[1] == int(sys.argv[1]):
             break
@@ -83,9 +84,10 @@ async def main():
     answer = None
     async for item in await client.direct({}, rank.endpoint.connection_id(), annotated=False):
         answer = item
-    print(json.dumps({"me": rank.endpoint.connection_id(), "rank": rank.rank, "pool": pool.rank, "answer": answer}),
+    print(json.dumps({"me": rank.endpoint.connection_id(), "rank": rank.rank, "pool": pool.rank, "answer": answer,
+                      "at_start": at_start}),
           flush=True)
-    sys.stdin.read()  # stay listed until every peer has ranked itself
+    await asyncio.to_thread(sys.stdin.read)  # stay listed (and answering) until every peer has ranked itself
     await rank.stop()
     rt.shutdown()
 
@@ -93,33 +95,63 @@ asyncio.run(main())
 """
 
 
+def _env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "kv"),
+            "DYN_REQUEST_PLANE": "tcp", "DYN_TCP_RPC_HOST": "127.0.0.1",
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
+
+
+def _frontends(tmp_path: Path, n: int, expect: int) -> tuple[list[subprocess.Popen[str]], list[dict]]:
+    """``n`` frontends that each print their rank once they count ``expect`` frontends (or give up)."""
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(expect)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, env=_env(tmp_path), text=True) for _ in range(n)]
+    lines = []
+    deadline = time.monotonic() + 60
+    for p in procs:
+        assert p.stdout is not None
+        line = p.stdout.readline()
+        assert line, f"a frontend exited without ranking itself (rc {p.poll()})"
+        lines.append(json.loads(line))
+        assert time.monotonic() < deadline
+    return procs, lines
+
+
+def _stop(procs: list[subprocess.Popen[str]]) -> None:
+    for p in procs:
+        if p.stdin:
+            p.stdin.close()
+    for p in procs:
+        try:
+            p.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
 def test_frontends_rank_themselves_through_dynamo_discovery(tmp_path: Path) -> None:
     """Three frontends on Dynamo's file discovery (real endpoints, real clients): each finds itself
     among the three in id order, hands that rank to its encode pool and answers it on its endpoint."""
-    env = {**os.environ, "DYN_DISCOVERY_BACKEND": "file", "DYN_FILE_KV": str(tmp_path / "kv"),
-           "DYN_REQUEST_PLANE": "tcp", "DYN_TCP_RPC_HOST": "127.0.0.1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
-    procs = [subprocess.Popen([sys.executable, "-c", PEER, "3"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, env=env, text=True) for _ in range(3)]
+    procs: list[subprocess.Popen[str]] = []
     try:
-        lines = []
-        deadline = time.monotonic() + 60
-        for p in procs:
-            assert p.stdout is not None
-            line = p.stdout.readline()
-            assert line, f"a frontend exited without ranking itself (rc {p.poll()})"
-            lines.append(json.loads(line))
-            assert time.monotonic() < deadline
+        procs, lines = _frontends(tmp_path, 3, 3)
     finally:
-        for p in procs:
-            if p.stdin:
-                p.stdin.close()
-        for p in procs:
-            try:
-                p.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        _stop(procs)
     by_id = sorted(lines, key=lambda r: r["me"])
     assert [r["rank"] for r in by_id] == [[0, 3], [1, 3], [2, 3]]
     assert all(r["pool"] == r["rank"] for r in lines)
+    assert all(r["at_start"] is not None for r in lines)
     assert all(r["answer"] == {"instance": r["me"], "rank": r["rank"][0], "frontends": 3} for r in lines)
+
+
+def test_a_killed_frontends_lingering_key_is_not_counted(tmp_path: Path) -> None:
+    """A SIGKILLed frontend's key lingers in file discovery; the next frontends count only peers that
+    answer, so two of them rank 0 and 1 of 2, not among three."""
+    old, _ = _frontends(tmp_path, 1, 1)
+    old[0].kill()
+    old[0].wait(timeout=20)
+    assert any((tmp_path / "kv").rglob("*frontend*"))  # the dead one's key is still listed
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs, lines = _frontends(tmp_path, 2, 2)
+    finally:
+        _stop(procs)
+    assert sorted(r["rank"] for r in lines) == [[0, 2], [1, 2]]
