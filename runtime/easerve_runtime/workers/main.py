@@ -354,11 +354,15 @@ async def _run_frontend(
 ) -> int:
     from aiohttp import web
 
-    from easerve_runtime.workers.frontend import Frontend
+    from easerve_runtime.workers.frontend import FRONTENDS_ENV, Frontend
 
     fe = Frontend(cfg, encode, metrics)
     ranking = None
-    if frontends_ranked(cfg.spec):
+    if os.environ.get(FRONTENDS_ENV) == "1":
+        # `easerve serve`: the client reaches one frontend, which admits for all; it starts where the
+        # twin's one door starts (the other frontends of the host see no traffic to rank against)
+        encode.set_rank(0, 1)
+    elif frontends_ranked(cfg.spec):
         from easerve_runtime.workers.frontend_rank import FrontendRank
 
         ranking = FrontendRank(runtime, cfg.dynamo_namespace, encode)
