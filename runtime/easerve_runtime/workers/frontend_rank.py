@@ -48,9 +48,8 @@ PEER_TIMEOUT_S = 1.0
 read: a peer just started may be listed before it answers, a lingering key fails at once)."""
 FIRST_RANK_S = 10.0
 """How long a starting frontend waits to see itself listed before it opens its port. Why wait: a
-rank that arrives after the first requests restarts the rotation mid-stream, so the picks then
-differ from the twin's from the first request on (a CI run of the single-frontend agreement point
-read its P99 TTFT 16 % under the twin's where two local runs read it within 0.5 %)."""
+rank that arrives after the first requests restarts the rotation mid-stream, so the picks would
+differ from the twin's, whose frontends start ranked, from the first request on."""
 
 
 def rank_of(me: int, peers: list[int]) -> tuple[int, int] | None:
