@@ -240,6 +240,9 @@ def decode_breakdown(before: dict[str, Any], after: dict[str, Any]) -> dict[str,
         "sample_gpu_ms": round(d("engine", "sample_ms") / steps, 3),
         "loop_iteration_ms": round(1e3 * d("loop", "step_s") / iters, 2),
         "loop_admit_ms_per_iteration": round(1e3 * d("loop", "admit_s") / iters, 3),
+        # from reaching the decode worker to joining its batch (KV taken and received, the wait for
+        # a slot and the step boundary), per admitted request
+        "handoff_ms": round(1e3 * d("loop", "handoff_s") / max(1.0, d("loop", "admitted")), 2),
         "loop_busy_s": round(d("loop", "loop_s") - d("loop", "idle_s"), 2),
         "admits": int(admits),
         "admit_ms": round(1e3 * d("engine", "admit_s") / admits, 2) if admits else None,

@@ -183,6 +183,95 @@ def loop_totals(dl: dict[str, Any]) -> tuple[float, float, int]:
             float(dl["loop_prefill_ms_per_iteration"]) * iters / 1e3, int(iters))
 
 
+def disaggregated_loop_points(run: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The points of a run whose decode worker is the disaggregated one (not ``aggregated@``) and
+    carries the loop's counters (rows per step, engine step, loop iteration)."""
+    return [(system, p) for system, sy in run.get("systems", {}).items() if not system.startswith("aggregated")
+            for p in sy.get("points", [])
+            if all((p.get("decode_loop") or {}).get(k) for k in ("rows_per_step", "engine_step_ms", "loop_iteration_ms"))]
+
+
+def host_loop_row_ms(run: dict[str, Any], overhead_ms: float) -> float | None:
+    """The served decode loop's host time per running sequence per iteration on the run's host:
+    the loop's iteration minus the engine's step (token fan-out to the requests' streams, the
+    loop's bookkeeping), less the zero-load ``overhead_ms``, fitted through the origin over the
+    rows per step of the run's points (least squares). None: no point carries the counters.
+
+    Why a host property: over runs 18-26 this gap grew 0.12 ms a row on three H100 hosts and
+    0.23-0.30 on five others, in every layout alike, while the engine's step at equal rows
+    was the same on all of them."""
+    xs, ys = [], []
+    for _, p in disaggregated_loop_points(run):
+        dl = p["decode_loop"]
+        xs.append(float(dl["rows_per_step"]))
+        ys.append(float(dl["loop_iteration_ms"]) - float(dl["engine_step_ms"]) - overhead_ms)
+    if not xs:
+        return None
+    return max(0.0, sum(x * y for x, y in zip(xs, ys, strict=True)) / sum(x * x for x in xs))
+
+
+def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
+    """``engine.mps.decode_row_ms``: the served decode step minus the profile's step at the same rows
+    and context, per row (least squares through the origin), over the capped points of the runs.
+    The engine's own counters (``decode_loop.engine_step_ms``), not the latencies: no fit of the
+    twin's outputs enters it."""
+    from easerve_runtime.profiles import load_profile_file
+
+    prof = load_profile_file(profile)
+    rows = []
+    for f in run_files(run_globs):
+        run = json.loads(Path(f).read_text())
+        for system, p in disaggregated_loop_points(run):
+            if mps_caps_of(system) is None:
+                continue
+            dl = p["decode_loop"]
+            n = float(dl["rows_per_step"])
+            hist = {int(k): int(v) for k, v in (dl.get("kv_len") or {}).items()}
+            kv = sum(k * v for k, v in hist.items()) / sum(hist.values()) if hist else 0.0
+            lo, hi = max(1, int(n)), max(1, int(n)) + 1  # the profile's step between the whole rows around n
+            w = n - int(n) if n >= 1 else 0.0
+            base = 1e3 * ((1 - w) * prof.decode_step_s(lo, lo * kv) + w * prof.decode_step_s(hi, hi * kv))
+            rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "rows": n,
+                         "engine_step_ms": float(dl["engine_step_ms"]), "profile_step_ms": round(base, 3),
+                         "excess_ms": round(float(dl["engine_step_ms"]) - base, 3)})
+    if not rows:
+        raise SystemExit(f"--calibrate-loop: no capped point with the decode loop's counters in {run_globs}")
+    slope = sum(r["rows"] * r["excess_ms"] for r in rows) / sum(r["rows"] ** 2 for r in rows)
+    return {"decode_row_ms": round(max(0.0, slope), 4), "points": rows}
+
+
+def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False) -> dict[str, Any]:
+    """The decode step's two per-row terms, from the served runs' decode-loop counters:
+    ``engine.mps.decode_row_ms`` (the GPU's: the step beside capped pods over the profile's, per
+    row) and ``engine.decode_loop_row_ms`` (the host's: the loop's iteration over the step, per row,
+    beyond the zero-load overhead; per run file, and over all of them). With ``write``, both go
+    into the profile files (the loop's as the mean over the runs' hosts)."""
+    overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
+    gpu = capped_step_row_ms(run_globs, profile)
+    hosts = {}
+    for f in run_files(run_globs):
+        b = host_loop_row_ms(json.loads(Path(f).read_text()), overhead)
+        if b is not None:
+            hosts[Path(f).name] = round(b, 4)
+    loop_ms = round(sum(hosts.values()) / len(hosts), 4) if hosts else 0.0
+    out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-loop",
+                           "measured": "gpu (the decode loop's counters) against the profile's decode step",
+                           "decode_row_ms": gpu["decode_row_ms"], "decode_loop_row_ms_by_run": hosts,
+                           "decode_loop_row_ms": loop_ms, "decode_loop_overhead_ms": overhead, "points": gpu["points"]}
+    if write:
+        written = []
+        for f in (profile, cpu_pre):
+            if f is None or not f.exists():
+                continue
+            doc = json.loads(f.read_text())
+            doc["engine"]["decode_loop_row_ms"] = loop_ms
+            doc["engine"].setdefault("mps", {})["decode_row_ms"] = gpu["decode_row_ms"]
+            f.write_text(json.dumps(doc, indent=1) + "\n")
+            written.append(str(f))
+        out["written"] = written
+    return out
+
+
 def calibrate_aggregated(run_globs: str, profile: Path, write: bool = False) -> dict[str, Any]:
     """``engine.aggregated`` of the profile: the served aggregated worker's encode and prefill time
     over the same requests' in the twin's aggregated replica (``sim.aggregated``, the profile's
@@ -305,19 +394,32 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
     return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps).summary
 
 
-def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dict[str, Any]:
-    from easerve_runtime.api import parse_spec
+def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run") -> dict[str, Any]:
+    """The twin's prediction of each point of one GPU run, beside the measured figures. ``host_loop``
+    ``run``: the twin's decode loop costs the run host's own time per row (``host_loop_row_ms``,
+    read off the run's loop counters: a property of its CPU, as a profile measured on that host
+    would carry); ``profile``: the profile's ``decode_loop_row_ms``."""
+    import copy
 
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim.systems import model_for
+
+    overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
+    b = host_loop_row_ms(run, overhead) if host_loop == "run" else None
     out: dict[str, Any] = {}
     for system, s in run["systems"].items():
         pfile = system_profile(system, tmp, profile, cpu_pre)
         spec = parse_spec(twin_spec(s["spec"], pfile))
         caps = mps_caps_of(system)
+        model = None
+        if b is not None and not system.startswith("aggregated"):
+            model = copy.copy(model_for(spec))
+            model.decode_row_overhead_s = b / 1e3
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
         rows = []
         for p in pts:
-            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps)
+            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model)
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
@@ -340,6 +442,7 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path) -> dic
             rows.append(row)
         path_ms = json.loads(pfile.read_text())["engine"].get("request_path_ms")
         out[system] = {"profile": pfile.name, "request_path_ms": path_ms, "saturation_req_s": sat, "points": rows,
+                       "decode_loop_row_ms": round(b, 4) if model is not None and b is not None else None,
                        "diagnosis": diagnose(rows)}
     return out
 
@@ -361,8 +464,9 @@ def diagnose(rows: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_serve_h200_*.json")) -> dict[str, Any]:
-    """The twin fed ``profile`` against every GPU run that ``runs_glob`` matches."""
+def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_serve_h200_*.json"),
+           host_loop: str = "run") -> dict[str, Any]:
+    """The twin fed ``profile`` against every GPU run that ``runs_glob`` matches (``host_loop``: ``predict``'s)."""
     if not profile.exists():
         raise SystemExit(f"{profile} is missing: run --measure on the GPU machine first")
     prof = json.loads(profile.read_text())
@@ -378,9 +482,11 @@ def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_ser
                 continue
             runs.append({"file": str(Path(f).resolve().relative_to(REPO)), "gpu": run.get("gpu"),
                          "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
-                         "requests_per_point": run.get("requests_per_point"), "systems": predict(run, Path(t), profile, cpu_pre)})
+                         "requests_per_point": run.get("requests_per_point"),
+                         "systems": predict(run, Path(t), profile, cpu_pre, host_loop)})
     return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
-            "profile_source": prof["engine"]["device"], "ratios_measured_over_model": p.corrections.summary(),
+            "profile_source": prof["engine"]["device"], "host_loop": host_loop,
+            "ratios_measured_over_model": p.corrections.summary(),
             "bar": BAR, "runs": runs}
 
 
@@ -443,26 +549,38 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
-MPS_GRID = {"contention": (0.1, 0.2, 0.3, 0.4, 0.5), "decode_corun": (0.0, 0.3, 0.5, 0.7, 0.9),
-            "decode_saturation": (0.05, 0.25, 0.4, 0.55), "encode_corun": (0.0, 0.3, 0.6, 0.9, 1.2)}
+MPS_GRID = {"contention": (0.1, 0.2, 0.3, 0.4, 0.5), "decode_corun": (0.0, 0.3, 0.6, 0.9),
+            "decode_saturation": (0.05, 0.4), "encode_corun": (0.0, 0.3, 0.6, 0.9, 1.2),
+            "decode_contention": (0.0, 0.3)}
+"""The grid ``--mps-fit`` searches. ``decode_row_ms`` is not searched: it is read off the fit runs'
+own decode counters (``capped_step_row_ms``), a measurement, as the hosts' loop cost per row is."""
 MPS_FIT_MAX_RATE = 7.0
 """``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
 reports the points above it as held out (runs 14-15: fitted on 5.5 and 7 req/s, checked at 8.5,
-past the one H200's saturation, where repeats of one point moved 3x)."""
+past the one H200's saturation, where repeats of one point moved 3x). ``--held-out RUNS`` holds
+out whole runs as well (other hosts)."""
 MPS_KEYS = MPS_CONSTANTS  # the constants a profile may carry (engine.mps), in one place
 
 
-def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[tuple[str, Any, dict[str, Any], int | None]]:
-    """The ``+mpsNN`` points of the runs, one per (system, rate): a point measured more than once is
-    the mean of its repeats (``gpu_serve.mean_of_repeats``), so a repeat neither counts twice nor
-    is dropped."""
+def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path,
+               held_out_glob: str = "") -> list[tuple[str, Any, dict[str, Any], int | None]]:
+    """The ``+mpsNN`` points of the runs (and of ``held_out_glob``'s, marked ``held_out_run``), one
+    per (system, rate, held out or not): a point measured more than once is the mean of its
+    repeats (``gpu_serve.mean_of_repeats``), so a repeat neither counts twice nor is dropped. Each
+    point carries its host's decode-loop cost per row (``loop_row_ms``: the mean over its runs'
+    files, ``host_loop_row_ms``)."""
     from easerve_runtime.api import parse_spec
     from gpu_serve import mean_of_repeats
 
-    groups: dict[tuple[str, float], list[dict[str, Any]]] = {}
+    overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
+    groups: dict[tuple[str, float, bool], list[dict[str, Any]]] = {}
     specs: dict[str, tuple[Any, int | None]] = {}
-    for f in run_files(runs_glob):
+    held_files = {str(Path(f).resolve()) for f in run_files(held_out_glob)} if held_out_glob else set()
+    files = run_files(runs_glob) + sorted(held_files - {str(Path(f).resolve()) for f in run_files(runs_glob)})
+    for f in files:
         run = json.loads(Path(f).read_text())
+        held = str(Path(f).resolve()) in held_files
+        b = host_loop_row_ms(run, overhead)
         for system, sy in run.get("systems", {}).items():
             if mps_caps_of(system) is None:
                 continue
@@ -470,74 +588,113 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path) -> list[
                 specs[system] = (parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre))),
                                  run.get("host_gpus"))
             for p in sy.get("points", []):
-                groups.setdefault((system, float(p["rate"])), []).append({**p, "file": Path(f).name})
-    return [(system, specs[system][0], mean_of_repeats(ps), specs[system][1])
-            for (system, _), ps in sorted(groups.items())]
+                groups.setdefault((system, float(p["rate"]), held), []).append(
+                    {**p, "file": Path(f).name, "loop_row_ms": b})
+    out = []
+    for (system, _, held), ps in sorted(groups.items()):
+        bs = [q["loop_row_ms"] for q in ps if q.get("loop_row_ms") is not None]
+        p = {**mean_of_repeats(ps), "held_out_run": held, "loop_row_ms": sum(bs) / len(bs) if bs else None}
+        out.append((system, specs[system][0], p, specs[system][1]))
+    return out
 
 
-def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]:
-    """Calibrate the MPS twin's constants (``contention``, ``decode_corun``, ``decode_saturation``,
-    ``encode_corun``: the ones a profile carries as ``engine.mps``) on the ``+mpsNN`` points of the runs: the grid
-    point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT p50 and P99 TTFT
-    at the fit points; the held-out points' errors at that grid point beside it.
+_FIT: dict[str, Any] = {}
+"""``--mps-fit``'s points and stage models, set before its worker processes fork (read, never written, by them)."""
 
-    Each grid point rides on a copy of each system's stage model (``StageModel.mps_constants``,
-    which ``sim.mpsshare.MPSSharing`` reads before its module values), so the fit sets no global
-    state and the profile's own constants are only its starting point."""
+
+def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
+    """The twin against the GPU at every fit point, at one grid point's MPS constants."""
     import copy
-    import itertools
     import math
+
+    rows = []
+    for system, spec, p, host in _FIT["pts"]:
+        model = copy.copy(_FIT["models"][system])
+        model.mps_constants = dict(zip(_FIT["keys"], values, strict=True))
+        if _FIT["host_loop"] == "run" and p.get("loop_row_ms") is not None:
+            model.decode_row_overhead_s = p["loop_row_ms"] / 1e3
+        res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model)
+        meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
+                "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
+        twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
+                "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
+                "throughput": res.get("throughput")}
+        err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
+               for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
+        bar = (bool(meas["throughput"]) and twin["throughput"] is not None and bool(meas["ttft_p99"])
+               and twin["ttft_p99"] is not None and abs(twin["throughput"] / meas["throughput"] - 1) <= BAR["throughput"]
+               and abs(twin["ttft_p99"] / meas["ttft_p99"] - 1) <= BAR["ttft_p99"])
+        rows.append({"system": system, "rate": p["rate"],
+                     "held_out": p["rate"] > MPS_FIT_MAX_RATE or bool(p.get("held_out_run")),
+                     "repeats": len(p.get("repeats", [])) or 1, "loop_row_ms": p.get("loop_row_ms"),
+                     "measured": meas, "twin": twin, "meets_bar": bar,
+                     "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
+    return rows
+
+
+def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "",
+            host_loop: str = "run") -> dict[str, Any]:
+    """Calibrate the MPS twin's constants (``engine.mps``: ``MPS_KEYS``) on the ``+mpsNN`` points of
+    the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
+    p50 and P99 TTFT at the fit points; the held-out points' errors (above ``MPS_FIT_MAX_RATE``, and
+    every point of ``held_out_glob``'s runs) at that grid point beside it.
+
+    ``decode_row_ms`` is read off the fit runs' decode counters (``capped_step_row_ms``), and each
+    point's twin gets its own host's decode-loop cost per row (``host_loop`` ``run``; ``profile``:
+    the profile's). Each grid point rides on a copy of each system's stage model
+    (``StageModel.mps_constants``, which ``sim.mpsshare.MPSSharing`` reads before its module
+    values), so the fit sets no global state and the profile's own constants are only its starting
+    point. The grid runs on every core (forked workers)."""
+    import itertools
+    import multiprocessing
 
     from easerve_runtime.sim import mpsshare
     from easerve_runtime.sim.systems import model_for
 
     current = (json.loads(profile.read_text()).get("engine") or {}).get("mps")
+    row_ms = capped_step_row_ms(runs_glob, profile)["decode_row_ms"]
     with tempfile.TemporaryDirectory() as t:  # the specs name profile files written here
-        pts = mps_points(profile, cpu_pre, runs_glob, Path(t))
+        pts = mps_points(profile, cpu_pre, runs_glob, Path(t), held_out_glob)
         models = {system: model_for(spec) for system, spec, _, _ in pts}
     if not pts:
         raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
-
-    def errors(values: tuple[float, ...]) -> list[dict[str, Any]]:
-        rows = []
-        for system, spec, p, host in pts:
-            model = copy.copy(models[system])
-            model.mps_constants = dict(zip(MPS_KEYS, values, strict=True))
-            res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model)
-            meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
-                    "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
-            twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
-                    "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
-                    "throughput": res.get("throughput")}
-            err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
-                   for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
-            rows.append({"system": system, "rate": p["rate"], "held_out": p["rate"] > MPS_FIT_MAX_RATE,
-                         "repeats": len(p.get("repeats", [])) or 1, "measured": meas, "twin": twin,
-                         "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
-        return rows
+    _FIT.update(pts=pts, models=models, keys=MPS_KEYS, host_loop=host_loop)
 
     def score(rows: list[dict[str, Any]], held_out: bool) -> float:
         sel = [r for r in rows if r["held_out"] == held_out]
         return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
 
-    now = tuple(float((current or {}).get(k, mpsshare.DEFAULTS[k])) for k in MPS_KEYS)
-    in_code = errors(now)
+    def bar(rows: list[dict[str, Any]], held_out: bool) -> str:
+        sel = [r for r in rows if r["held_out"] == held_out]
+        return f"{sum(r['meets_bar'] for r in sel)}/{len(sel)}"
+
+    card = {**mpsshare.DEFAULTS, **(current or {})}
+    card.setdefault("decode_contention", card["contention"])
+    now = tuple(float(card[k]) for k in MPS_KEYS)
+    in_code = _fit_rows(now)
+    grid_keys = [k for k in MPS_KEYS if k != "decode_row_ms"]
+    combos = [dict(zip(grid_keys, v, strict=True)) for v in itertools.product(*(MPS_GRID[k] for k in grid_keys))]
+    combos = [{**c, "decode_row_ms": row_ms} for c in combos]
+    values = [tuple(c[k] for k in MPS_KEYS) for c in combos]
     grid = []
-    combos = list(itertools.product(*(MPS_GRID[k] for k in MPS_KEYS)))
-    for i, values in enumerate(combos):
-        rows = errors(values)
-        grid.append({**dict(zip(MPS_KEYS, values, strict=True)), "fit_error": round(score(rows, False), 4),
-                     "held_out_error": round(score(rows, True), 4), "rows": rows})
-        log(f"grid {i + 1}/{len(combos)}: {values} fit {grid[-1]['fit_error']}")
+    with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:
+        for i, rows in enumerate(pool.imap(_fit_rows, values, chunksize=4)):
+            grid.append({**combos[i], "fit_error": round(score(rows, False), 4), "held_out_error": round(score(rows, True), 4),
+                         "fit_bar": bar(rows, False), "held_out_bar": bar(rows, True), "rows": rows})
+            if (i + 1) % 50 == 0 or i + 1 == len(values):
+                log(f"grid {i + 1}/{len(values)}: best fit so far {min(g['fit_error'] for g in grid)}")
     best = min(grid, key=lambda g: g["fit_error"])
+    cols = (*MPS_KEYS, "fit_error", "held_out_error", "fit_bar", "held_out_bar")
     return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
+            "held_out_runs": held_out_glob or None, "host_loop": host_loop, "decode_row_ms_from_counters": row_ms,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
             "in_code": {**dict(zip(MPS_KEYS, now, strict=True)), "fit_error": round(score(in_code, False), 4),
-                        "held_out_error": round(score(in_code, True), 4),
+                        "held_out_error": round(score(in_code, True), 4), "fit_bar": bar(in_code, False),
+                        "held_out_bar": bar(in_code, True),
                         "from": "the profile's engine.mps" if current else "sim.mpsshare (the H200's)"},
-            "best": {k: best[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")},
-            "points": in_code,
-            "grid": [{k: g[k] for k in (*MPS_KEYS, "fit_error", "held_out_error")} for g in grid]}
+            "best": {k: best[k] for k in cols},
+            "points": in_code, "best_points": best["rows"],
+            "grid": [{k: g[k] for k in cols} for g in grid]}
 
 
 def write_mps(fit: dict[str, Any], profiles: list[Path], runs: str) -> list[str]:
@@ -668,9 +825,22 @@ def main() -> int:
                    help="engine.aggregated: the served aggregated loop's encode and prefill per request over the "
                         "twin's, at each aggregated system's lowest rate in RUNS (globs); with --write-profile, "
                         "written into --profile")
+    p.add_argument("--calibrate-loop", default=None, metavar="RUNS",
+                   help="engine.mps.decode_row_ms (the GPU's per-row step beside capped pods) and "
+                        "engine.decode_loop_row_ms (the host's per-row loop time) from the decode counters of RUNS "
+                        "(globs); with --write-profile, written into --profile and --profile-cpu-preprocess")
+    p.add_argument("--host-loop", default="run", choices=["run", "profile"],
+                   help="the decode loop's host time per row the twin charges for a run: the run's own host's, read "
+                        "off its loop counters (run), or the profile's decode_loop_row_ms (profile)")
+    p.add_argument("--held-out", default="",
+                   help="with --mps-fit: runs (globs) whose points are held out of the fit (other hosts)")
     p.add_argument("--encode-check", action="store_true",
                    help="the encoder's time per micro-batch over its profile's, twin against the encode counters (run 17 on)")
     args = p.parse_args()
+    if args.calibrate_loop:
+        print(json.dumps(calibrate_loop(args.calibrate_loop, Path(args.profile), Path(args.profile_cpu_preprocess),
+                                        args.write_profile), indent=1))
+        return 0
     if args.calibrate_aggregated:
         print(json.dumps(calibrate_aggregated(args.calibrate_aggregated, Path(args.profile), args.write_profile), indent=1))
         return 0
@@ -678,7 +848,7 @@ def main() -> int:
         print(json.dumps(encode_check(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
         return 0
     if args.mps_fit:
-        fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
+        fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.held_out, args.host_loop)
         if args.write_profile:
             fit["written"] = write_mps(fit, [Path(args.profile), Path(args.profile_cpu_preprocess)], args.runs)
         print(json.dumps(fit, indent=1))
@@ -694,7 +864,7 @@ def main() -> int:
         print(json.dumps(calibrate_path(Path(args.calibrate_path), Path(args.profile),
                                         Path(args.profile_cpu_preprocess)), indent=1))
         return 0
-    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs)
+    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.host_loop)
     print(json.dumps(rep, indent=1))
     plot(rep, Path(args.plot or REPO / "docs" / "img" / "twin_agreement.png"))
     return 0

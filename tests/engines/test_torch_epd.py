@@ -274,6 +274,9 @@ def test_kv_staging_with_fewer_buffers_than_waiting_caches(llava: Path, engines:
     (stats_file,) = tmp_path.glob("decode-*.json")
     doc = json.loads(stats_file.read_text())
     assert doc["engine"]["admits"] == 5 and doc["loop"]["admitted"] == 5 and doc["loop"]["iterations"] > 0
+    # the handoff (reaching the worker to joining its batch) is counted for every admitted request,
+    # and those that waited for one of the 2 slots waited at least a decode step each
+    assert doc["loop"]["handoff_s"] > 0 and not epd.decode._entered
 
 
 def test_a_llava_next_batch_counts_its_crops_as_the_profile_and_the_twin_do(engines: dict[str, Any]) -> None:

@@ -519,6 +519,41 @@ def test_the_decode_loop_overhead_is_added_to_every_decode_step_of_the_twin(tmp_
         assert (r5.finish_s - r5.first_token_s) - (r0.finish_s - r0.first_token_s) == pytest.approx(steps * 0.005, rel=1e-6)
 
 
+def test_the_decode_loops_row_cost_is_paid_per_running_sequence(tmp_path: Path) -> None:
+    """``engine.decode_loop_row_ms`` is the served loop's host time per running sequence per
+    iteration (its token fanned out to the request's stream): a request decoding alone pays it once
+    a step; two decoding together pay it twice a step each; the first token does not move."""
+    from easerve_runtime.sim import simulate
+    from easerve_runtime.workload import generate
+
+    gaps: dict[float, dict[str, dict[int, float]]] = {}
+    for ms in (0.0, 2.0):
+        doc = _engine_doc()
+        doc["engine"]["decode_loop_row_ms"] = ms
+        f = tmp_path / f"r{ms}.json"
+        f.write_text(json.dumps(doc))
+        spec = parse_spec(_spec(profileFile=str(f)))
+        assert spec_profile(spec).decode_row_overhead_s == pytest.approx(ms / 1e3)
+        gaps[ms] = {}
+        for name, rate in (("alone", 0.05), ("busy", 50.0)):
+            reqs = generate(spec, rate, 6, 3)
+            recs = [r for r in simulate(spec, reqs, "easerve", sweep=False).records if r.ok]
+            assert len(recs) == 6
+            gaps[ms][name] = {r.id: r.finish_s - r.first_token_s for r in recs}
+            if name == "alone":
+                outputs = {r.id: r.output_tokens for r in reqs}
+                firsts = {r.id: r.first_token_s for r in recs}
+                if ms == 0.0:
+                    first0 = firsts
+                else:
+                    assert firsts == pytest.approx(first0, abs=1e-9)
+    for rid, g0 in gaps[0.0]["alone"].items():  # one row a step: the row cost once a step
+        assert gaps[2.0]["alone"][rid] - g0 == pytest.approx((outputs[rid] - 1) * 0.002, rel=1e-6)
+    # rows decoding together pay more than one row's worth a step
+    extra = {rid: gaps[2.0]["busy"][rid] - g0 for rid, g0 in gaps[0.0]["busy"].items()}
+    assert any(extra[rid] > 1.5 * (outputs[rid] - 1) * 0.002 for rid in extra)
+
+
 def test_a_sequential_engine_prefills_whole_prompts_and_pays_prefill_plus_decode_in_the_aggregated_twin(tmp_path: Path) -> None:
     """``engine.mixed_iteration: sequential`` (the torch engine's aggregated worker) times an
     iteration as prefill + decode step, not the larger of the two, and prefills whole prompts:
@@ -580,13 +615,15 @@ def test_a_cards_mps_constants_in_the_profile_win_over_the_h200s_in_the_twin(tmp
     plain, fitted = _engine_doc(), _engine_doc()
     fitted["engine"]["mps"] = card
     p = parse_profile_file(fitted)
-    # encode_corun unset: the schema's default, none
-    assert p.mps_constants == {**{k: card[k] for k in ("contention", "decode_corun", "decode_saturation")}, "encode_corun": 0.0}
+    # encode_corun and decode_row_ms unset: the schema's defaults, none; decode_contention unset: contention's
+    assert p.mps_constants == {**{k: card[k] for k in ("contention", "decode_corun", "decode_saturation")},
+                               "encode_corun": 0.0, "decode_row_ms": 0.0}
     assert parse_profile_file(plain).mps_constants is None
     assert p.corrections is not None and p.corrections.summary()["mps"]["decode_corun"] == 1.5
     one = {"encode/0": frozenset({0}), "decode/0": frozenset({0})}
     m = mpsshare.MPSSharing(EventLoop(), one, {"encode": 0.85}, StageModel(p))
     assert (m.contention, m.decode_corun, m.decode_saturation) == (0.45, 1.5, 0.4)
+    assert (m.decode_contention, m.decode_row_ms) == (0.45, 0.0)
     bare = mpsshare.MPSSharing(EventLoop(), one, {"encode": 0.85}, StageModel(parse_profile_file(plain)))
     assert (bare.contention, bare.decode_corun) == (mpsshare.CONTENTION, mpsshare.DECODE_CORUN)
     assert mpsshare.MPSSharing(EventLoop(), one, {}, StageModel(p), contention=0.0).contention == 0.0  # an argument wins

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -242,7 +243,7 @@ def test_the_h100_profile_carries_its_own_mps_constants_and_a_fit_writes_them(tm
            "in_code": {"fit_error": 0.4}}
     assert ta.write_mps(fit, [f, tmp_path / "absent.json"], "runs") == [str(f)]
     assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25,
-                                                  "encode_corun": 0.0}  # not in the fit: the schema's default
+                                                  "encode_corun": 0.0, "decode_row_ms": 0.0}  # not in the fit: the schema's defaults
 
 
 def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module_alone(
@@ -256,7 +257,7 @@ def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module
     from easerve_runtime.sim import mpsshare
 
     monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.0, 0.5), "decode_corun": (0.0,), "decode_saturation": (0.4,),
-                                         "encode_corun": (0.0,)})
+                                         "encode_corun": (0.0,), "decode_contention": (0.0,)})
     before = (mpsshare.CONTENTION, mpsshare.DECODE_CORUN, mpsshare.DECODE_SATURATION)
     results = REPO / "benchmarks" / "results"
     fit = ta.mps_fit(results / "engine_profile_h100_llava7b_run20.json",
@@ -267,6 +268,60 @@ def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module
     errors = [g["fit_error"] for g in fit["grid"]]
     assert len(errors) == 2 and errors[0] != errors[1]
     assert fit["best"]["fit_error"] == min(errors)
+
+
+def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(tmp_path: Path) -> None:
+    """``twin_agreement.py --calibrate-loop`` on runs 25-26 (two H100 hosts): the GPU's per-row term is
+    the capped points' engine step over the profile's at the same rows, through the origin; the
+    host's is each run's loop iteration over its step beyond the zero-load overhead, per row.
+    Written into a copy of the profile, both read back into the twin's stage model, and the twin's
+    prediction of a run charges that run's own host (``--host-loop run``) or the profile's."""
+    import twin_agreement as ta
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.profiles.source import load_profile_file
+    from easerve_runtime.sim.systems import model_for
+
+    results = REPO / "benchmarks" / "results"
+    src = results / "engine_profile_h100_llava7b_run20.json"
+    prof, cpu = tmp_path / "p.json", tmp_path / "pc.json"
+    prof.write_text(src.read_text())
+    cpu.write_text((results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json").read_text())
+    runs = str(results / "gpu_serve_h100_run2[56]*_300req.json")
+    cal = ta.calibrate_loop(runs, prof, cpu, write=True)
+    pts = cal["points"]
+    assert pts and all("+mps" in p["system"] for p in pts)
+    slope = sum(p["rows"] * p["excess_ms"] for p in pts) / sum(p["rows"] ** 2 for p in pts)
+    assert cal["decode_row_ms"] == pytest.approx(slope, abs=1e-4) and cal["decode_row_ms"] > 0
+    assert all(p["engine_step_ms"] > p["profile_step_ms"] for p in pts)  # beside capped pods, slower than alone
+    by_run = cal["decode_loop_row_ms_by_run"]
+    assert set(by_run) == {"gpu_serve_h100_run25a_300req.json", "gpu_serve_h100_run25b_300req.json",
+                           "gpu_serve_h100_run25c_300req.json", "gpu_serve_h100_run26a_300req.json"}
+    run = json.loads((results / "gpu_serve_h100_run25b_300req.json").read_text())
+    xs = [(p["decode_loop"]["rows_per_step"], p["decode_loop"]["loop_iteration_ms"] - p["decode_loop"]["engine_step_ms"] - 0.66)
+          for sy in run["systems"].values() for p in sy["points"]]
+    assert by_run["gpu_serve_h100_run25b_300req.json"] == pytest.approx(
+        sum(x * y for x, y in xs) / sum(x * x for x, _ in xs), abs=1e-4)
+    assert cal["decode_loop_row_ms"] == pytest.approx(sum(by_run.values()) / len(by_run), abs=1e-4)
+    for f in (prof, cpu):  # both files carry both terms, and they reach the twin
+        loaded = load_profile_file(f)
+        assert loaded.decode_row_overhead_s == pytest.approx(cal["decode_loop_row_ms"] / 1e3)
+        assert loaded.mps_constants is not None and loaded.mps_constants["decode_row_ms"] == cal["decode_row_ms"]
+    with tempfile.TemporaryDirectory() as t:
+        system = "easerve:e1p0d1:b1:s0+mps85"
+        spec = parse_spec(ta.twin_spec(run["systems"]["dynamo-style:e1p1d1+mps85"]["spec"],
+                                       ta.system_profile("dynamo-style:e1p1d1+mps85", Path(t), prof, cpu)))
+        assert model_for(spec).decode_row_overhead_s == pytest.approx(cal["decode_loop_row_ms"] / 1e3)
+        one = json.loads((results / "gpu_serve_h100_run25c_300req.json").read_text())
+        slow = json.loads(prof.read_text())
+        slow["engine"]["decode_loop_row_ms"] = 0.3  # a slower host's (runs 18-24 read 0.20-0.27)
+        prof.write_text(json.dumps(slow))
+        own = ta.predict(one, Path(t), prof, cpu, host_loop="run")
+        profiles_ = ta.predict(one, Path(t), prof, cpu, host_loop="profile")
+    assert own[system]["decode_loop_row_ms"] == pytest.approx(by_run["gpu_serve_h100_run25c_300req.json"], abs=1e-4)
+    assert profiles_[system]["decode_loop_row_ms"] is None and own["aggregated@2048"]["decode_loop_row_ms"] is None
+    # this host's loop is cheaper than the profile's: its decode is predicted faster
+    tpot = [r[system]["points"][-1]["twin"]["tpot_p50"] for r in (own, profiles_)]
+    assert tpot[0] < tpot[1]
 
 
 def test_the_aggregated_calibration_reads_the_loops_counters_and_the_twin_then_matches_them(tmp_path: Path) -> None:

@@ -121,7 +121,8 @@ def test_the_h100_profiles_constants_leave_decodes_pace_to_the_co_run_not_the_ca
     70 % and 85 % caps (Dynamo-style at 7 req/s 21.95 ms at 18.4 rows against 22.77 at 19.1; E1 P0
     D1 at 5.5 20.63 ms at 13.8 rows against 19.62 at 13.2), where the saturation rule the H100's
     first fit chose (0.4) charged decode 2x more under 85 %. The refit on runs 18-23 switched it
-    off: the profile's constants make decode's factor beside capped work the same at every cap."""
+    off: the profile's constants make decode's factor beside capped work the same at every cap
+    (and its per-row term, ``decode_row_ms``, the same too)."""
     from pathlib import Path
 
     from easerve_runtime.profiles.source import load_profile_file
@@ -137,7 +138,9 @@ def test_the_h100_profiles_constants_leave_decodes_pace_to_the_co_run_not_the_ca
         m.occupy("encode/0", 1.0)
         factors.append(m.dilation("decode/0", "decode"))
     c = model.mps_constants
-    assert factors == pytest.approx([(1 + c["decode_corun"]) * (1 + c["contention"])] * 3)
+    assert factors == pytest.approx([(1 + c["decode_corun"]) * (1 + c.get("decode_contention", c["contention"]))] * 3)
+    rows = [MPSSharing(EventLoop(), ONE_GPU, {"encode": cap}, model).decode_rows_s("decode/0", 16) for cap in (0.5, 0.85)]
+    assert rows[0] == rows[1] == pytest.approx(16 * c["decode_row_ms"] / 1e3) and rows[0] > 0
 
 
 def test_the_twin_reports_the_encoders_time_over_the_profile_as_the_live_counters_do(llava_spec, toy_model) -> None:
@@ -150,3 +153,44 @@ def test_the_twin_reports_the_encoders_time_over_the_profile_as_the_live_counter
     shared = simulate_system(llava_spec, reqs, "easerve", toy_model, host_gpus=1, mps_caps=caps)
     assert own.stats["encode_over_profile"] == pytest.approx(1.0)
     assert shared.stats["encode_over_profile"] > 1.0
+
+
+def test_decode_beside_capped_pods_pays_per_row_whether_or_not_they_are_in_flight(toy_model) -> None:
+    """Runs 18-26 on five H100 hosts: the served decode step minus the profile's grew ~0.39 ms a
+    row in every capped layout, its intercept the profile's, and the encode pod's busy share did not
+    move it. ``decode_row_ms`` charges that per running sequence on a GPU that capped pods share;
+    ``decode_contention`` (0 here) keeps the intercept off the contention."""
+    loop = EventLoop()
+    m = MPSSharing(loop, ONE_GPU, {"encode": 0.85, "prefill": 0.85}, toy_model, contention=0.3,
+                   decode_saturation=mpsshare.MIN_FREE, decode_corun=0.0, decode_contention=0.0, decode_row_ms=0.4)
+    assert m.decode_rows_s("decode/0", 10) == pytest.approx(0.004)  # nothing in flight: still paid
+    assert m.dilation("decode/0", "decode") == 1.0
+    m.occupy("prefill/0", 1.0)
+    assert m.decode_rows_s("decode/0", 20) == pytest.approx(0.008)
+    assert m.dilation("decode/0", "decode") == 1.0  # decode's contention 0: the intercept stays
+    assert m.dilation("encode/0", "encode") > m.share_factor("encode", 0.85)  # the others' contention stays
+    assert m.decode_rows_s("prefill/0", 20) == 0.0  # a capped pod pays its cap, not rows
+    alone = MPSSharing(EventLoop(), {"decode/0": frozenset({0}), "prefill/0": frozenset({1})},
+                       {"prefill": 0.85}, model=None, decode_row_ms=0.4)  # type: ignore[arg-type]
+    assert alone.decode_rows_s("decode/0", 20) == 0.0  # no capped pod on its GPU
+    assert MPSSharing(EventLoop(), ONE_GPU, {"prefill": 0.85}, model=None).decode_rows_s("decode/0", 20) == 0.0  # type: ignore[arg-type]
+    # unset, decode's contention is the card's contention
+    assert MPSSharing(EventLoop(), ONE_GPU, {}, model=None, contention=0.3).decode_contention == 0.3  # type: ignore[arg-type]
+
+
+def test_the_per_row_charge_slows_a_capped_runs_decode_in_the_twin(llava_spec, toy_model) -> None:
+    """The same capped run on one GPU: a per-row charge lengthens every request's decode (TPOT),
+    and more at a higher rate, where more rows share each step."""
+    import copy
+
+    caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+    out = {}
+    for rate in (0.5, 2.0):
+        reqs = generate(llava_spec, rate, 80, seed=5)
+        for row in (0.0, 2.0):
+            model = copy.copy(toy_model)
+            model.mps_constants = {**(toy_model.mps_constants or {}), "decode_row_ms": row}
+            out[rate, row] = simulate_system(llava_spec, reqs, "easerve", model, host_gpus=1,
+                                             mps_caps=caps).summary["tpot"]["mean"]
+    assert out[0.5, 2.0] > out[0.5, 0.0] and out[2.0, 2.0] > out[2.0, 0.0]
+    assert out[2.0, 2.0] - out[2.0, 0.0] > out[0.5, 2.0] - out[0.5, 0.0]

@@ -101,7 +101,8 @@ def shared_gpu_rps(spec: EPDDeploymentSpec, p: Any, reqs: list[Any], host_gpus: 
     rate = float("inf")
     for _ in range(rounds):
         n = max(1, round(batch))
-        dec = out_toks * tp_d * (p.decode_step_s(n, n * ctx, tp=tp_d) + p.decode_overhead_s) / n
+        loop_s = p.decode_overhead_s + n * getattr(p, "decode_row_overhead_s", 0.0)
+        dec = out_toks * tp_d * (p.decode_step_s(n, n * ctx, tp=tp_d) + loop_s) / n
         rate = host_gpus / (enc + pre + dec)
         nxt = max(1.0, min(batch, rate * out_toks * tpot))
         if abs(nxt - batch) < 0.5:

@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from easerve_runtime.profiles.profile import Profile
 
 
-MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation", "encode_corun")
+MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation", "encode_corun", "decode_contention", "decode_row_ms")
 """The MPS twin's constants a profile may carry (``schema.MPSSharingDoc``, ``sim.mpsshare``)."""
 AGGREGATED_RATIOS = ("encode_over_profile", "prefill_over_profile")
 """The aggregated loop's ratios a profile may carry (``schema.AggregatedLoopDoc``, ``sim.aggregated``)."""
@@ -42,6 +42,7 @@ class StageCorrections:
     source: str = ""  # "<engine> on <device>", for reports
     request_path_s: float = 0.0  # the serving path's own latency per request (no GPU busy for it)
     decode_overhead_s: float = 0.0  # the served decode loop's cost per iteration beyond the step
+    decode_row_overhead_s: float = 0.0  # ... and per running sequence per iteration on top (the host's)
     mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
     mps: Mapping[str, float] | None = None  # the MPS twin's constants fitted on this card (sim.mpsshare)
     aggregated: Mapping[str, float] | None = None  # the aggregated loop's encode/prefill over the twin's
@@ -53,6 +54,8 @@ class StageCorrections:
             out["request_path_ms"] = round(self.request_path_s * 1e3, 3)
         if self.decode_overhead_s:
             out["decode_loop_overhead_ms"] = round(self.decode_overhead_s * 1e3, 3)
+        if self.decode_row_overhead_s:
+            out["decode_loop_row_ms"] = round(self.decode_row_overhead_s * 1e3, 4)
         if self.mixed_iteration != "fused":
             out["mixed_iteration"] = self.mixed_iteration
         if self.mps is not None:
@@ -96,6 +99,7 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
     agg = doc.get("aggregated")
     return StageCorrections(enc, pre, dec, f"{doc.get('engine', '?')} on {doc.get('device', '?')}",
                             float(path_ms or 0.0) / 1e3, float(doc.get("decode_loop_overhead_ms") or 0.0) / 1e3,
+                            float(doc.get("decode_loop_row_ms") or 0.0) / 1e3,
                             str(doc.get("mixed_iteration") or "fused"),
-                            {k: float(mps[k]) for k in MPS_CONSTANTS if k in mps} if mps else None,
+                            {k: float(mps[k]) for k in MPS_CONSTANTS if mps.get(k) is not None} if mps else None,
                             {k: float(agg[k]) for k in AGGREGATED_RATIOS} if agg else None)

@@ -93,6 +93,12 @@ class Profile:
         return self.corrections.decode_overhead_s if self.corrections is not None else 0.0
 
     @property
+    def decode_row_overhead_s(self) -> float:
+        """The served decode loop's host cost per running sequence per iteration, beyond
+        ``decode_overhead_s`` (an engine profile's ``decode_loop_row_ms``; 0 for a modelled profile)."""
+        return self.corrections.decode_row_overhead_s if self.corrections is not None else 0.0
+
+    @property
     def mixed_iteration(self) -> str:
         """How the engine's aggregated loop runs prefill beside decode: ``fused`` (the modelled
         vLLM-style engine) or ``sequential`` (an engine profile that says so)."""
@@ -101,8 +107,7 @@ class Profile:
     @property
     def mps_constants(self) -> Mapping[str, float] | None:
         """The MPS twin's constants fitted on this card (an engine profile's ``engine.mps``:
-        ``contention``, ``decode_corun``, ``decode_saturation``); None: ``sim.mpsshare``'s own,
-        fitted on the H200."""
+        ``measured.MPS_CONSTANTS``); None: ``sim.mpsshare``'s own, fitted on the H200."""
         return self.corrections.mps if self.corrections is not None else None
 
     @property

@@ -206,6 +206,13 @@ class MPSSharingDoc(_Doc):
         default=0.0, ge=0, le=5, description="An encoder micro-batch dispatched while another pod on the GPU has "
         "work in flight pays 1 + this as well (on the H100 the served encoder beside decode took 1.3-1.8x what "
         "the twin charged without it, run 23); 0: none.")
+    decode_contention: float | None = Field(
+        default=None, ge=0, le=5, description="The contention a decode step pays while another pod has work in "
+        "flight; unset: contention's.")
+    decode_row_ms: float = Field(
+        default=0.0, ge=0, le=20, description="Milliseconds an uncapped decode step pays per running sequence on a "
+        "GPU that capped pods share, whether or not they have work in flight (on the H100 the served step over the "
+        "profile's grew 0.39 ms a row in every capped layout, runs 18-26); 0: none.")
     fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
 
 
@@ -247,6 +254,12 @@ class EngineDoc(_Doc):
         "bookkeeping, admission, streaming tokens out), measured at zero load: the served TPOT p50 minus the "
         "twin's without this term, on the same requests (benchmarks/twin_agreement.py --calibrate-path). The twin adds it to every decode step and "
         "charges it with the step (on a GPU that pods share, it time-slices too: the waits are at its syncs).")
+    decode_loop_row_ms: float | None = Field(
+        default=None, ge=0, le=20,
+        description="What each iteration of the served decode loop costs per running sequence on top of "
+        "decode_loop_overhead_ms (the loop fanning each row's token out to its request's stream): a property of "
+        "the host's CPU, read off a served run's decode-loop counters (loop iteration minus engine step, over the "
+        "rows; benchmarks/twin_agreement.py --calibrate-loop). The twin adds it times the rows to every decode step.")
     mixed_iteration: Literal["fused", "sequential"] | None = Field(
         default=None,
         description="How the engine's aggregated loop runs an iteration that prefills and decodes. fused: one "

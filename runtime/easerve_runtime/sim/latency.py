@@ -93,6 +93,10 @@ class StageModel:
         """What each served decode-loop iteration costs beyond the step (host bookkeeping, admission,
         streaming; measured, 0 unless the profile says): charged with the step, so on a shared GPU it
         time-slices too (the served loop waits for the GPU at each of its syncs)."""
+        self.decode_row_overhead_s = float(getattr(profile, "decode_row_overhead_s", 0.0) or 0.0)
+        """What each served decode-loop iteration costs per running sequence on top (fanning its
+        token out to the request's stream; the host's CPU sets it; measured, 0 unless the profile
+        says): charged with the step, as ``decode_overhead_s`` is."""
         self.mixed_iteration = str(getattr(profile, "mixed_iteration", "fused") or "fused")
         """How the engine's aggregated loop runs prefill beside decode (``fused`` or ``sequential``)."""
         mps = getattr(profile, "mps_constants", None)

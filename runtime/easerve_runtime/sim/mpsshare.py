@@ -23,14 +23,24 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
   alike (12.9 ms at 11 rows under a 50 % cap, 12.8 ms at 10 rows under 85 %), and the one-process
   aggregated engine took the profile's own: the step is bound by memory bandwidth, which the
   encoder's and the prefill's kernels take from it whichever SMs they hold.
+- **Decode's rows beside capped pods:** an uncapped decode step on a GPU that capped pods share
+  pays ``decode_row_ms`` per running sequence on top, whether or not they have work in flight
+  (``decode_rows_s``). On the H100 (runs 18-26, five hosts) the served step minus the profile's
+  grew 0.39 ms a row (8-24 rows) in every capped layout, at 4.5-7 req/s, on every host alike,
+  while the intercept stayed the profile's; the one-process aggregated engine paid none of it.
+  The step's weight reads hide under its launch floor; its attention's K/V reads, which scale
+  with the rows, run on what the capped kernels leave. The H200's fit has none (0).
 - **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
-  contention``: the two compete for memory bandwidth and caches whatever the SM split.
+  contention`` (decode: ``1 + decode_contention``, the same unless a card's fit says otherwise;
+  the H100's per-row fit leaves the step's intercept at the profile's, so it sets 0): the two
+  compete for memory bandwidth and caches whatever the SM split.
 - **The encoder beside other work:** an encoder micro-batch dispatched while another pod has work
   in flight pays ``1 + encode_corun`` as well. On the H100 (runs 21-23) the served encoder took
   1.3-1.8x what the twin charged from its SM curve and the contention alone, in every capped
   system (``twin_agreement.py --encode-check``, milliseconds per batch); the H200's fit has none.
 
-``contention``, ``decode_corun``, ``decode_saturation`` and ``encode_corun`` belong to the card. The module's
+``contention``, ``decode_contention``, ``decode_corun``, ``decode_row_ms``, ``decode_saturation`` and
+``encode_corun`` belong to the card. The module's
 (``CONTENTION``, ``DECODE_CORUN``, ``DECODE_SATURATION``) are the H200's: fitted to runs 14-15's
 points at 5.5 and 7 req/s and checked on their points at 8.5 (``benchmarks/twin_agreement.py
 --mps-fit``). A profile fitted on another card carries its own (``engine.mps``, written by
@@ -62,9 +72,14 @@ The rule stays for hardware where a profile's fit says otherwise."""
 ENCODE_CORUN = 0.0
 """No encoder co-run term on the H200 (its fit had none); a card's profile may carry its own
 (``engine.mps.encode_corun``: the H100's, run 23)."""
+DECODE_ROW_MS = 0.0
+"""No per-row charge on the H200 (its fit charges decode by the co-run factor instead); a card's
+profile may carry its own (``engine.mps.decode_row_ms``: the H100's, runs 18-26)."""
 DEFAULTS: dict[str, float] = {"contention": CONTENTION, "decode_corun": DECODE_CORUN,
-                              "decode_saturation": DECODE_SATURATION, "encode_corun": ENCODE_CORUN}
-"""The module's constants by the names a profile's ``engine.mps`` uses: what a card without its own fit gets."""
+                              "decode_saturation": DECODE_SATURATION, "encode_corun": ENCODE_CORUN,
+                              "decode_row_ms": DECODE_ROW_MS}
+"""The module's constants by the names a profile's ``engine.mps`` uses: what a card without its own
+fit gets. ``decode_contention`` is not here: unset, it is the card's ``contention``."""
 REF_ITEMS = 4
 REF_TOKENS = 2048
 """The encode batch and prefill length at which a cap's slowdown is read off the profile."""
@@ -76,7 +91,8 @@ class MPSSharing:
     def __init__(self, loop: EventLoop, devices: dict[str, frozenset[int]], caps: Mapping[str, float],
                  model: StageModel, contention: float | None = None,
                  decode_saturation: float | None = None, decode_corun: float | None = None,
-                 encode_corun: float | None = None) -> None:
+                 encode_corun: float | None = None, decode_contention: float | None = None,
+                 decode_row_ms: float | None = None) -> None:
         """``caps``: stage name (``encode``, ``local-prefill``, ``prefill``, ``decode``) -> SM
         fraction in (0, 1]; a stage not named is uncapped. A pod replica's cap is its stage's (an
         encode pod's: ``encode``'s, else ``local-prefill``'s)."""
@@ -90,6 +106,10 @@ class MPSSharing:
         self.decode_saturation = card["decode_saturation"] if decode_saturation is None else decode_saturation
         self.decode_corun = card["decode_corun"] if decode_corun is None else decode_corun
         self.encode_corun = card["encode_corun"] if encode_corun is None else encode_corun
+        own = card.get("decode_contention", self.contention)
+        self.decode_contention = own if decode_contention is None else decode_contention
+        self.decode_row_ms = card["decode_row_ms"] if decode_row_ms is None else decode_row_ms
+        self._beside_capped: dict[str, bool] = {}
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}
@@ -141,11 +161,23 @@ class MPSSharing:
             if work == "encode" and others:
                 factor *= 1.0 + self.encode_corun
         if others:
-            factor *= 1.0 + self.contention
+            factor *= 1.0 + (self.decode_contention if cap is None else self.contention)
         self.dispatches += 1
         if factor > 1.0:
             self.charged += 1
         return factor
+
+    def decode_rows_s(self, proc: str, rows: int) -> float:
+        """Seconds an uncapped decode step of ``rows`` sequences pays on top of its dilated time, on
+        a GPU that capped pods share (in flight or not): ``decode_row_ms`` a row."""
+        if not self.decode_row_ms or rows <= 0:
+            return 0.0
+        beside = self._beside_capped.get(proc)
+        if beside is None:
+            mine = self.devices.get(proc, frozenset())
+            beside = self._beside_capped[proc] = bool(mine) and self.cap(proc) is None and any(
+                p != proc and self.devices[p] & mine and self.cap(p) is not None for p in self.devices)
+        return self.decode_row_ms * rows / 1e3 if beside else 0.0
 
     def occupy(self, proc: str, until: float) -> None:
         """Pod replica ``proc`` has work in flight until ``until``."""

@@ -89,12 +89,15 @@ class Busy:
         self.proc = ""
         """This worker's pod replica (``timeslice.pod_key``)."""
 
-    def timesliced(self, dt: float) -> float:
+    def timesliced(self, dt: float, rows: int = 0) -> float:
         """``dt`` of work dispatched now, as its pod pays for it on a time-sliced GPU (the same
-        ``dt`` on GPUs of its own); the pod is busy until it ends."""
+        ``dt`` on GPUs of its own); the pod is busy until it ends. ``rows``: a decode step's
+        sequences, which pay a per-row term beside capped pods under MPS (``decode_rows_s``)."""
         if self.ts is None:
             return dt
         dt *= self.ts.dilation(self.proc, self.work)
+        if rows and isinstance(self.ts, MPSSharing):
+            dt += self.ts.decode_rows_s(self.proc, rows)
         self.ts.occupy(self.proc, self.ts.loop.now + dt)
         return dt
 
@@ -154,7 +157,8 @@ class DecodeWorker(Busy):
             self.stepping = False
             return
         self.stepping = True
-        dt = self.timesliced(self.model.decode_step_s(n, self.ctx_sum, self.tp) + self.model.decode_overhead_s)
+        step = self.model.decode_step_s(n, self.ctx_sum, self.tp)
+        dt = self.timesliced(step + self.model.decode_overhead_s + n * self.model.decode_row_overhead_s, rows=n)
         self.busy_s += dt
         self.steps += 1
         self.batch_sum += n

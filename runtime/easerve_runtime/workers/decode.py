@@ -84,7 +84,11 @@ class DecodeWorker:
         self._cancelled: set[str] = set()
         """Requests whose caller went away, until the loop has dropped them (``_cancel``)."""
         self.loop_stats: dict[str, float] = {"iterations": 0, "step_s": 0.0, "admit_s": 0.0, "idle_s": 0.0,
-                                             "loop_s": 0.0, "admitted": 0}
+                                             "loop_s": 0.0, "admitted": 0, "handoff_s": 0.0}
+        self._entered: dict[str, float] = {}
+        """When each waiting request reached ``generate`` (its KV handed over), until it is admitted:
+        ``loop_stats.handoff_s`` sums the waits (KV taken and received, queued for a slot, the step
+        boundary), the part of a request's time after its first token that no decode step counts."""
         self._stats = StatsFile("decode")
 
     @classmethod
@@ -126,6 +130,7 @@ class DecodeWorker:
                 return
             yield {"ack": True}
             return
+        entered = time.perf_counter()
         try:
             rid = str(request["id"])
             kv: bytes | bytearray | mmap.mmap | None = None
@@ -169,6 +174,7 @@ class DecodeWorker:
                     raise
                 except Exception:  # noqa: BLE001 - reported by admit, which awaits the same task
                     pass
+        self._entered[rid] = entered
         self.admission.add((seq, q, need), need)
         self._gauges()
         self._arrival.set()
@@ -238,6 +244,9 @@ class DecodeWorker:
             for entry, need in self.admission.admit():
                 seq, q, _ = entry
                 self._unstaged.pop(seq.request_id, None)
+                entered = self._entered.pop(seq.request_id, None)
+                if entered is not None:
+                    ls["handoff_s"] += t0 - entered
                 if seq.request_id in self._cancelled:  # went away while it waited
                     self._cancelled.discard(seq.request_id)
                     getattr(self.engine, "discard", lambda _rid: None)(seq.request_id)
