@@ -329,6 +329,9 @@ PREFILL_SERIES = {
 }
 """The prefill workers' own series (remote ``prefill`` and ``local-prefill``, by their ``stage``
 label), which a point's ``prefill`` block is the difference of."""
+KV_HANDOFF_SERIES = {"easerve_kv_handoff_seconds_sum": "kv-handoff/s", "easerve_kv_handoff_seconds_count": "kv-handoff/n"}
+"""The prefill side of each request's KV handoff (the cache copied to the host and put where its
+decode worker takes it, after the first token is out): a point's ``prefill["kv-handoff"]``."""
 
 
 def prefill_metrics(workdir: Path) -> dict[str, float]:
@@ -341,7 +344,11 @@ def prefill_metrics(workdir: Path) -> dict[str, float]:
     for sample in _samples(workdir):
         if sample.name in PREFILL_SERIES:
             key = f"{sample.labels.get('stage', '?')}/{PREFILL_SERIES[sample.name]}"
-            out[key] = out.get(key, 0.0) + float(sample.value)
+        elif sample.name in KV_HANDOFF_SERIES:
+            key = KV_HANDOFF_SERIES[sample.name]
+        else:
+            continue
+        out[key] = out.get(key, 0.0) + float(sample.value)
     return out
 
 
@@ -350,7 +357,10 @@ def prefill_breakdown(before: dict[str, float], after: dict[str, float]) -> dict
     per batch, the engine's time per batch against the profile's for the same batches, the queue wait."""
     d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     out: dict[str, Any] = {}
-    for stage in sorted({k.split("/", 1)[0] for k in d}):
+    if d.get("kv-handoff/n", 0.0) > 0:
+        n = d["kv-handoff/n"]
+        out["kv-handoff"] = {"handoffs": int(n), "ms_mean": round(d.get("kv-handoff/s", 0.0) / n * 1e3, 2)}
+    for stage in sorted({k.split("/", 1)[0] for k in d} - {"kv-handoff"}):
         n = d.get(f"{stage}/batches", 0.0)
         if n <= 0:
             continue

@@ -45,3 +45,18 @@ def test_a_point_carries_its_encode_batches_from_the_workers_metrics(tmp_path: P
     assert sum(row["requests"] for row in pre.values()) == 12
     for row in pre.values():
         assert row["engine_ms_per_batch"] > 0 and row["profile_ms_per_batch"] > 0 and row["queue_wait_ms_mean"] >= 0
+
+
+def test_the_prefill_breakdown_reads_the_kv_handoff_beside_the_stages() -> None:
+    """The prefill side of the KV handoff (``easerve_kv_handoff_seconds``, no stage label) is its own
+    entry of a point's ``prefill`` block, the mean over the point's handoffs; a point without
+    handoffs (the sim engine moves no KV) has none, and the stages' rows are as before."""
+    before = {"prefill/batches": 2.0, "prefill/requests": 2.0, "prefill/engine_s": 0.1, "prefill/profile_s": 0.1,
+              "kv-handoff/s": 1.0, "kv-handoff/n": 10.0}
+    after = {"prefill/batches": 6.0, "prefill/requests": 8.0, "prefill/engine_s": 0.5, "prefill/profile_s": 0.4,
+             "kv-handoff/s": 2.2, "kv-handoff/n": 16.0}
+    out = gpu_serve.prefill_breakdown(before, after)
+    assert out["kv-handoff"] == {"handoffs": 6, "ms_mean": 200.0}
+    assert out["prefill"]["batches"] == 4 and out["prefill"]["requests"] == 6
+    quiet = gpu_serve.prefill_breakdown(before, {**after, "kv-handoff/s": 1.0, "kv-handoff/n": 10.0})
+    assert "kv-handoff" not in quiet and set(quiet) == {"prefill"}
