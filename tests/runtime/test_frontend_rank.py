@@ -73,7 +73,7 @@ class NoEncoders:
 async def main():
     rt = DistributedRuntime(asyncio.get_running_loop(), "file", "tcp")
     pool = Pool(NoEncoders(), "encode")
-    rank = FrontendRank(rt, "ns_rank", pool, every_s=0.1)
+    rank = FrontendRank(rt, "ns_rank", pool, every_s=0.1, recheck_s=0.5)
     await rank.start()
     at_start = rank.rank  # start() returns once this frontend sees itself listed: ranked before its port opens
     for _ in range(300):
@@ -87,6 +87,12 @@ async def main():
     print(json.dumps({"me": rank.endpoint.connection_id(), "rank": rank.rank, "pool": pool.rank, "answer": answer,
                       "at_start": at_start}),
           flush=True)
+    if len(sys.argv) > 2:  # then wait to count this many (a peer killed after it answered)
+        for _ in range(300):
+            if rank.rank and rank.rank[1] == int(sys.argv[2]):
+                break
+            await asyncio.sleep(0.1)
+        print(json.dumps({"me": rank.endpoint.connection_id(), "rank": rank.rank, "pool": pool.rank}), flush=True)
     await asyncio.to_thread(sys.stdin.read)  # stay listed (and answering) until every peer has ranked itself
     await rank.stop()
     rt.shutdown()
@@ -101,9 +107,11 @@ def _env(tmp_path: Path) -> dict[str, str]:
             "PYTHONPATH": os.pathsep.join([str(ROOT / "runtime"), os.environ.get("PYTHONPATH", "")])}
 
 
-def _frontends(tmp_path: Path, n: int, expect: int) -> tuple[list[subprocess.Popen[str]], list[dict]]:
-    """``n`` frontends that each print their rank once they count ``expect`` frontends (or give up)."""
-    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(expect)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+def _frontends(tmp_path: Path, n: int, expect: int, then: int | None = None) -> tuple[list[subprocess.Popen[str]], list[dict]]:
+    """``n`` frontends that each print their rank once they count ``expect`` frontends (or give up),
+    and, with ``then``, again once they count ``then``."""
+    extra = [] if then is None else [str(then)]
+    procs = [subprocess.Popen([sys.executable, "-c", PEER, str(expect), *extra], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, env=_env(tmp_path), text=True) for _ in range(n)]
     lines = []
     deadline = time.monotonic() + 60
@@ -155,3 +163,28 @@ def test_a_killed_frontends_lingering_key_is_not_counted(tmp_path: Path) -> None
     finally:
         _stop(procs)
     assert sorted(r["rank"] for r in lines) == [[0, 2], [1, 2]]
+
+
+def test_a_frontend_killed_after_it_answered_stops_being_counted(tmp_path: Path) -> None:
+    """Three frontends rank themselves 0, 1, 2 of 3; the last is SIGKILLed, its key lingering. The
+    two left ask their counted peers again (``recheck_s``) and rank themselves 0 and 1 of 2, and
+    hand that to their pools."""
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        procs, lines = _frontends(tmp_path, 3, 3, then=2)
+        assert sorted(r["rank"] for r in lines) == [[0, 3], [1, 3], [2, 3]]
+        victim = next(i for i, r in enumerate(lines) if r["rank"] == [2, 3])
+        procs[victim].kill()
+        procs[victim].wait(timeout=20)
+        assert any((tmp_path / "kv").rglob("*frontend*"))
+        after = []
+        for i, p in enumerate(procs):
+            if i != victim:
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                assert line, f"a frontend exited before re-ranking (rc {p.poll()})"
+                after.append(json.loads(line))
+    finally:
+        _stop([p for p in procs if p.poll() is None])
+    assert sorted(r["rank"] for r in after) == [[0, 2], [1, 2]]
+    assert all(r["pool"] == r["rank"] for r in after)

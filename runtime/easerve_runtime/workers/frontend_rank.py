@@ -15,7 +15,8 @@ How: each frontend serves a small endpoint, ``<namespace>.frontend.generate``, t
 rank. Its own instance id is its endpoint's ``connection_id()``; the peers are the endpoint's
 instances in id order, so every frontend ranks them alike, counting a peer only once it has
 answered (a killed frontend's key can outlive it: with ``file`` discovery a new ``easerve serve``
-of the same deployment saw its predecessor and ranked itself 1 of 2). The rank is re-read every ``RANK_S``
+of the same deployment saw its predecessor and ranked itself 1 of 2), and asking a counted peer
+again every ``RECHECK_S`` (one killed after it answered stops being counted). The rank is re-read every ``RANK_S``
 and handed to the encode pool (``Pool.set_rank``), which restarts its rotation when the rank, the
 number of frontends or the number of encoders changes. Until a frontend sees itself listed, its
 hashed start stands.
@@ -46,6 +47,11 @@ ready, well after the first read."""
 PEER_TIMEOUT_S = 1.0
 """How long a peer has to answer before it is not counted this time (it is asked again at the next
 read: a peer just started may be listed before it answers, a lingering key fails at once)."""
+RECHECK_S = 5.0
+"""How often a peer already counted is asked again (seconds). Why: a frontend SIGKILLed after it
+answered leaves its key listed (until its lease lapses on etcd, for good on file discovery), and
+counted once, it would inflate every other frontend's count, so their rotations would start at the
+wrong places, until their own restart."""
 FIRST_RANK_S = 10.0
 """How long a starting frontend waits to see itself listed before it opens its port. Why wait: a
 rank that arrives after the first requests restarts the rotation mid-stream, so the picks would
@@ -61,13 +67,16 @@ def rank_of(me: int, peers: list[int]) -> tuple[int, int] | None:
 class FrontendRank:
     """Serves this frontend's rank endpoint and keeps ``pool``'s rank current."""
 
-    def __init__(self, runtime: Any, namespace: str, pool: Pool, every_s: float = RANK_S) -> None:
+    def __init__(self, runtime: Any, namespace: str, pool: Pool, every_s: float = RANK_S,
+                 recheck_s: float = RECHECK_S) -> None:
         self.endpoint = runtime.endpoint(f"{namespace}.{COMPONENT_FRONTEND}.{ENDPOINT}")
         self.pool = pool
         self.every_s = every_s
+        self.recheck_s = recheck_s
         self.rank: tuple[int, int] | None = None
         self._tasks: list[asyncio.Future[Any]] = []
-        self._answered: set[int] = set()
+        self._answered: dict[int, float] = {}
+        """The peers counted, and when each last answered (loop time)."""
 
     async def _answer(self, _request: Any, *_: Any) -> AsyncIterator[dict[str, Any]]:
         """What a peer (or an operator debugging a roll-out) reads: this frontend's rank."""
@@ -101,10 +110,18 @@ class FrontendRank:
         """Read the peers once (those that answer) and hand a new rank to the pool."""
         me = int(self.endpoint.connection_id())
         listed = [int(i) for i in client.instance_ids()]
-        self._answered &= set(listed)
+        clock = asyncio.get_running_loop().time
+        self._answered = {i: t for i, t in self._answered.items() if i in listed}
         for iid in listed:
-            if iid != me and iid not in self._answered and await self._answers(client, iid):
-                self._answered.add(iid)
+            if iid == me:
+                continue
+            last = self._answered.get(iid)
+            if last is not None and clock() - last < self.recheck_s:
+                continue  # counted, and asked recently enough
+            if await self._answers(client, iid):
+                self._answered[iid] = clock()
+            elif self._answered.pop(iid, None) is not None:
+                log.info("frontend rank: peer %x stopped answering; not counted", iid)
         rank = rank_of(me, [i for i in listed if i == me or i in self._answered])
         if rank is not None and rank != self.rank:
             log.info("frontend rank %d of %d", *rank)
