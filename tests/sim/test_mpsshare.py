@@ -156,7 +156,7 @@ def test_the_twin_reports_the_encoders_time_over_the_profile_as_the_live_counter
 
 
 def test_decode_beside_capped_pods_pays_per_row_whether_or_not_they_are_in_flight(toy_model) -> None:
-    """Runs 18-26 on five H100 hosts: the served decode step minus the profile's grew ~0.39 ms a
+    """Runs 18-26 on five H100 hosts: the served decode step minus the profile's grew 0.36-0.38 ms a
     row in every capped layout, its intercept the profile's, and the encode pod's busy share did not
     move it. ``decode_row_ms`` charges that per running sequence on a GPU that capped pods share;
     ``decode_contention`` (0 here) keeps the intercept off the contention."""

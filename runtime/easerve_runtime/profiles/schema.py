@@ -212,7 +212,7 @@ class MPSSharingDoc(_Doc):
     decode_row_ms: float = Field(
         default=0.0, ge=0, le=20, description="Milliseconds an uncapped decode step pays per running sequence on a "
         "GPU that capped pods share, whether or not they have work in flight (on the H100 the served step over the "
-        "profile's grew 0.39 ms a row in every capped layout, runs 18-26); 0: none.")
+        "profile's grew 0.36-0.38 ms a row in every capped layout, runs 18-26); 0: none.")
     fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
 
 

@@ -26,7 +26,7 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
 - **Decode's rows beside capped pods:** an uncapped decode step on a GPU that capped pods share
   pays ``decode_row_ms`` per running sequence on top, whether or not they have work in flight
   (``decode_rows_s``). On the H100 (runs 18-26, five hosts) the served step minus the profile's
-  grew 0.39 ms a row (8-24 rows) in every capped layout, at 4.5-7 req/s, on every host alike,
+  grew 0.36-0.38 ms a row (8-24 rows) in every capped layout, at 4.5-7 req/s, on every host alike,
   while the intercept stayed the profile's; the one-process aggregated engine paid none of it.
   The step's weight reads hide under its launch floor; its attention's K/V reads, which scale
   with the rows, run on what the capped kernels leave. The H200's fit has none (0).
