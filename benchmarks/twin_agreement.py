@@ -240,6 +240,59 @@ def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
     return {"decode_row_ms": round(max(0.0, slope), 4), "points": rows}
 
 
+def kv_handoff_ms(run_globs: str) -> dict[str, Any]:
+    """The served KV handoff per request, from the counters of the runs that carry both sides (run
+    27 on): the prefill's (the cache copied to the host and put where its decode worker takes it,
+    ``prefill["kv-handoff"]``) plus the decode's (taken, staged to the device, admitted:
+    ``decode_loop.handoff_ms``) less half an engine step (the wait for the step boundary, which
+    the twin's decode worker already has). The twin charges a KV transfer the link's
+    ``kv_setup_ms`` plus its bytes at the link's bandwidth (1.2 ms for LLaVA-NeXT 7B's 2,500
+    tokens on the profile's link); this is what that setup is on the served path."""
+    rows = []
+    for f in run_files(run_globs):
+        run = json.loads(Path(f).read_text())
+        for system, p in disaggregated_loop_points(run):
+            pre = ((p.get("prefill") or {}).get("kv-handoff") or {}).get("ms_mean")
+            dec = p["decode_loop"].get("handoff_ms")
+            if pre is None or dec is None:
+                continue
+            ms = float(pre) + float(dec) - float(p["decode_loop"]["engine_step_ms"]) / 2
+            rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "prefill_ms": pre,
+                         "decode_ms": dec, "kv_handoff_ms": round(ms, 2)})
+    mean = round(sum(r["kv_handoff_ms"] for r in rows) / len(rows), 1) if rows else None
+    return {"kv_handoff_ms": mean, "points": rows}
+
+
+def write_kv_setup(profile: Path, ms: float) -> None:
+    """``links.<the profile's link>.kv_setup_ms`` of a profile file: the shipped link (or the file's
+    own entry) with the KV handoff's setup set to ``ms``."""
+    from easerve_runtime.profiles.hardware import load_json
+
+    doc = json.loads(profile.read_text())
+    gpu_name = str(doc["profile"]).split("@", 1)[1]
+    link = ({**load_json("gpus.json"), **(doc.get("gpus") or {})})[gpu_name]["link"]
+    base = (doc.get("links") or {}).get(link) or {k: v for k, v in load_json("links.json")[link].items()}
+    doc.setdefault("links", {})[link] = {**base, "kv_setup_ms": ms}
+    profile.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+def calibrate_kv(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False) -> dict[str, Any]:
+    """``links.<link>.kv_setup_ms`` from the runs' KV handoff counters (``kv_handoff_ms``); with
+    ``write``, into both profile files."""
+    kv = kv_handoff_ms(run_globs)
+    if kv["kv_handoff_ms"] is None:
+        raise SystemExit(f"--calibrate-kv: no point with both sides of the KV handoff counted in {run_globs}")
+    out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-kv",
+                           "measured": "gpu (the prefill's and the decode's handoff counters)", **kv}
+    if write:
+        out["written"] = []
+        for f in (profile, cpu_pre):
+            if f is not None and f.exists():
+                write_kv_setup(f, kv["kv_handoff_ms"])
+                out["written"].append(str(f))
+    return out
+
+
 def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False) -> dict[str, Any]:
     """The decode step's two per-row terms, from the served runs' decode-loop counters:
     ``engine.mps.decode_row_ms`` (the GPU's: the step beside capped pods over the profile's, per
@@ -254,10 +307,12 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
         if b is not None:
             hosts[Path(f).name] = round(b, 4)
     loop_ms = round(sum(hosts.values()) / len(hosts), 4) if hosts else 0.0
+    kv = kv_handoff_ms(run_globs)
     out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-loop",
                            "measured": "gpu (the decode loop's counters) against the profile's decode step",
                            "decode_row_ms": gpu["decode_row_ms"], "decode_loop_row_ms_by_run": hosts,
-                           "decode_loop_row_ms": loop_ms, "decode_loop_overhead_ms": overhead, "points": gpu["points"]}
+                           "decode_loop_row_ms": loop_ms, "decode_loop_overhead_ms": overhead,
+                           "kv_handoff_ms": kv["kv_handoff_ms"], "kv_handoff_points": kv["points"], "points": gpu["points"]}
     if write:
         written = []
         for f in (profile, cpu_pre):
@@ -829,6 +884,10 @@ def main() -> int:
                    help="engine.mps.decode_row_ms (the GPU's per-row step beside capped pods) and "
                         "engine.decode_loop_row_ms (the host's per-row loop time) from the decode counters of RUNS "
                         "(globs); with --write-profile, written into --profile and --profile-cpu-preprocess")
+    p.add_argument("--calibrate-kv", default=None, metavar="RUNS",
+                   help="links.<link>.kv_setup_ms: the served KV handoff per request (prefill's copy out plus decode's "
+                        "take and stage, less half a step) from the counters of RUNS (globs, run 27 on); with "
+                        "--write-profile, written into --profile and --profile-cpu-preprocess")
     p.add_argument("--host-loop", default="run", choices=["run", "profile"],
                    help="the decode loop's host time per row the twin charges for a run: the run's own host's, read "
                         "off its loop counters (run), or the profile's decode_loop_row_ms (profile)")
@@ -837,6 +896,10 @@ def main() -> int:
     p.add_argument("--encode-check", action="store_true",
                    help="the encoder's time per micro-batch over its profile's, twin against the encode counters (run 17 on)")
     args = p.parse_args()
+    if args.calibrate_kv:
+        print(json.dumps(calibrate_kv(args.calibrate_kv, Path(args.profile), Path(args.profile_cpu_preprocess),
+                                      args.write_profile), indent=1))
+        return 0
     if args.calibrate_loop:
         print(json.dumps(calibrate_loop(args.calibrate_loop, Path(args.profile), Path(args.profile_cpu_preprocess),
                                         args.write_profile), indent=1))

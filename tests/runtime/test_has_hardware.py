@@ -324,6 +324,37 @@ def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(t
     assert tpot[0] < tpot[1]
 
 
+def test_the_kv_handoff_is_read_off_both_sides_counters_and_becomes_the_links_kv_setup(tmp_path: Path) -> None:
+    """``twin_agreement.py --calibrate-kv`` on run 27b (the first run that counted both sides): each
+    point's handoff is the prefill's copy out plus the decode's take and stage, less half an engine
+    step; the mean goes into the profile's link as ``kv_setup_ms``, and the twin's KV transfer then
+    costs that much more, while an embedding transfer does not change."""
+    import twin_agreement as ta
+    from easerve_runtime.profiles.source import load_profile_file
+
+    results = REPO / "benchmarks" / "results"
+    run = json.loads((results / "gpu_serve_h100_run27b_300req.json").read_text())
+    kv = ta.kv_handoff_ms(str(results / "gpu_serve_h100_run27b_300req.json"))
+    expect = [p["prefill"]["kv-handoff"]["ms_mean"] + p["decode_loop"]["handoff_ms"] - p["decode_loop"]["engine_step_ms"] / 2
+              for sy in run["systems"].values() for p in sy["points"]]
+    assert [r["kv_handoff_ms"] for r in kv["points"]] == pytest.approx(expect, abs=0.01)
+    assert kv["kv_handoff_ms"] == pytest.approx(sum(expect) / len(expect), abs=0.05)
+    # runs before 27 counted only the decode side (or nothing): no handoff is read off them
+    assert ta.kv_handoff_ms(str(results / "gpu_serve_h100_run25b_300req.json"))["kv_handoff_ms"] is None
+    f = tmp_path / "p.json"
+    doc = json.loads((results / "engine_profile_h100_llava7b_run20.json").read_text())
+    doc.pop("links", None)  # the shipped link's setup, as before the calibration
+    f.write_text(json.dumps(doc))
+    before = load_profile_file(f)
+    out = ta.calibrate_kv(str(results / "gpu_serve_h100_run27b_300req.json"), f, tmp_path / "absent.json", write=True)
+    assert out["written"] == [str(f)]
+    after = load_profile_file(f)
+    nbytes = before.kv_bytes(2500)
+    assert after.transfer_s(nbytes, path="kv") - before.transfer_s(nbytes, path="kv") == pytest.approx(
+        (kv["kv_handoff_ms"] - 0.3) / 1e3, rel=1e-3)  # the link's 0.3 ms setup became the handoff's
+    assert after.transfer_s(10_000, path="embedding") == pytest.approx(before.transfer_s(10_000, path="embedding"))
+
+
 def test_the_aggregated_calibration_reads_the_loops_counters_and_the_twin_then_matches_them(tmp_path: Path) -> None:
     """``twin_agreement.py --calibrate-aggregated`` on run 22c (the aggregated loop served at 0.5
     req/s on an H100): the ratios are the loop's own encode and prefill seconds over the twin's for
