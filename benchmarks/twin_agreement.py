@@ -197,9 +197,9 @@ def host_loop_row_ms(run: dict[str, Any], overhead_ms: float) -> float | None:
     loop's bookkeeping), less the zero-load ``overhead_ms``, fitted through the origin over the
     rows per step of the run's points (least squares). None: no point carries the counters.
 
-    Why a host property: over runs 18-26 this gap grew 0.12 ms a row on three H100 hosts and
-    0.23-0.30 on five others, in every layout alike, while the engine's step at equal rows
-    was the same on all of them."""
+    Why a host property: over runs 18-27 this gap grew 0.07-0.09 ms a row on three H100 hosts,
+    0.15-0.18 on one and 0.20-0.27 on five others, in every layout alike, while the engine's step
+    at equal rows was the same on all of them."""
     xs, ys = [], []
     for _, p in disaggregated_loop_points(run):
         dl = p["decode_loop"]
@@ -299,6 +299,8 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
     row) and ``engine.decode_loop_row_ms`` (the host's: the loop's iteration over the step, per row,
     beyond the zero-load overhead; per run file, and over all of them). With ``write``, both go
     into the profile files (the loop's as the mean over the runs' hosts)."""
+    from easerve_runtime.sim import mpsshare
+
     overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
     gpu = capped_step_row_ms(run_globs, profile)
     hosts = {}
@@ -320,7 +322,9 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
                 continue
             doc = json.loads(f.read_text())
             doc["engine"]["decode_loop_row_ms"] = loop_ms
-            doc["engine"].setdefault("mps", {})["decode_row_ms"] = gpu["decode_row_ms"]
+            # a card without its own constants keeps the module's (what the twin charged it) beside the new term
+            mps = doc["engine"].get("mps") or {k: v for k, v in mpsshare.DEFAULTS.items() if k != "decode_row_ms"}
+            doc["engine"]["mps"] = {**mps, "decode_row_ms": gpu["decode_row_ms"]}
             f.write_text(json.dumps(doc, indent=1) + "\n")
             written.append(str(f))
         out["written"] = written

@@ -319,6 +319,14 @@ def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(t
         profiles_ = ta.predict(one, Path(t), prof, cpu, host_loop="profile")
     assert own[system]["decode_loop_row_ms"] == pytest.approx(by_run["gpu_serve_h100_run25c_300req.json"], abs=1e-4)
     assert profiles_[system]["decode_loop_row_ms"] is None and own["aggregated@2048"]["decode_loop_row_ms"] is None
+    # a card without constants of its own (the H200's profile) gets the module's beside the new term,
+    # and the file stays a valid profile
+    h200 = tmp_path / "h200.json"
+    h200.write_text((results / "engine_profile_h200_llava7b_run12.json").read_text())
+    c2 = ta.calibrate_loop(runs, h200, None, write=True)
+    from easerve_runtime.sim import mpsshare
+
+    assert load_profile_file(h200).mps_constants == {**mpsshare.DEFAULTS, "decode_row_ms": c2["decode_row_ms"]}
     # this host's loop is cheaper than the profile's: its decode is predicted faster
     tpot = [r[system]["points"][-1]["twin"]["tpot_p50"] for r in (own, profiles_)]
     assert tpot[0] < tpot[1]
