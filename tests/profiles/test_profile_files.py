@@ -401,6 +401,15 @@ def _engine_doc() -> dict[str, Any]:
     }
 
 
+
+def _engine_spec(tmp_path: Path, name: str, **engine: Any) -> Any:
+    """The spec of a sim deployment whose profile file is ``_engine_doc`` with ``engine``'s fields set."""
+    doc = _engine_doc()
+    doc["engine"].update(engine)
+    f = tmp_path / f"{name}.json"
+    f.write_text(json.dumps(doc))
+    return parse_spec(_spec(profileFile=str(f)))
+
 def test_an_engine_section_reproduces_its_measurements_and_keeps_the_models_shape() -> None:
     """At a measured point the corrected profile gives the measured time (the median of repeats);
     what was not measured (SM share, TP, context) keeps the analytic model's dependence."""
@@ -479,11 +488,7 @@ def test_the_request_path_delays_every_first_token_by_its_length_in_the_twin(tmp
 
     ttft = {}
     for path_ms in (0.0, 200.0):
-        doc = _engine_doc()
-        doc["engine"]["request_path_ms"] = path_ms
-        f = tmp_path / f"p{path_ms}.json"
-        f.write_text(json.dumps(doc))
-        spec = parse_spec(_spec(profileFile=str(f)))
+        spec = _engine_spec(tmp_path, f"p{path_ms}", request_path_ms=path_ms)
         reqs = generate(spec, 2.0, 80, 3)
         res = simulate(spec, reqs, system, sweep=False)
         ttft[path_ms] = {r.id: r.first_token_s - r.arrival_s for r in res.records if r.ok}
@@ -502,11 +507,7 @@ def test_the_decode_loop_overhead_is_added_to_every_decode_step_of_the_twin(tmp_
 
     res = {}
     for ms in (0.0, 5.0):
-        doc = _engine_doc()
-        doc["engine"]["decode_loop_overhead_ms"] = ms
-        f = tmp_path / f"o{ms}.json"
-        f.write_text(json.dumps(doc))
-        spec = parse_spec(_spec(profileFile=str(f)))
+        spec = _engine_spec(tmp_path, f"o{ms}", decode_loop_overhead_ms=ms)
         assert spec_profile(spec).decode_overhead_s == pytest.approx(ms / 1e3)
         reqs = generate(spec, 0.05, 6, 3)  # 20 s apart: every request decodes alone
         outputs = {r.id: r.output_tokens for r in reqs}
@@ -528,11 +529,7 @@ def test_the_decode_loops_row_cost_is_paid_per_running_sequence(tmp_path: Path) 
 
     gaps: dict[float, dict[str, dict[int, float]]] = {}
     for ms in (0.0, 2.0):
-        doc = _engine_doc()
-        doc["engine"]["decode_loop_row_ms"] = ms
-        f = tmp_path / f"r{ms}.json"
-        f.write_text(json.dumps(doc))
-        spec = parse_spec(_spec(profileFile=str(f)))
+        spec = _engine_spec(tmp_path, f"r{ms}", decode_loop_row_ms=ms)
         assert spec_profile(spec).decode_row_overhead_s == pytest.approx(ms / 1e3)
         gaps[ms] = {}
         for name, rate in (("alone", 0.05), ("busy", 50.0)):
@@ -563,11 +560,7 @@ def test_a_sequential_engine_prefills_whole_prompts_and_pays_prefill_plus_decode
 
     out = {}
     for mode in ("fused", "sequential"):
-        doc = _engine_doc()
-        doc["engine"]["mixed_iteration"] = mode
-        f = tmp_path / f"{mode}.json"
-        f.write_text(json.dumps(doc))
-        spec = parse_spec(_spec(profileFile=str(f)))
+        spec = _engine_spec(tmp_path, mode, mixed_iteration=mode)
         assert spec_profile(spec).mixed_iteration == mode
         reqs = generate(spec, 4.0, 60, 3)
         r = simulate(spec, reqs, "aggregated", sweep=False)
