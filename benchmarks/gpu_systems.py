@@ -36,6 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from easerve_operator.tuning.space import Alloc, Candidate
+from easerve_runtime.engines.kv_ipc import ENV as KV_IPC_ENV
 from easerve_runtime.workers.launcher import MPS_SHARES_ENV
 
 MPS_CAPPED = ("encode", "local-prefill", "prefill")
@@ -95,11 +96,15 @@ class System:
     """``easerve:`` points: ``spec.encode.preprocessing`` when it is not the base's (``:cpu``)."""
     mps: int | None = None
     """``+mpsNN``: under MPS, the encode and prefill processes' SM cap in percent."""
+    host_kv: bool = False
+    """``+hostkv``: the KV handoff through host memory even on one GPU (``EASERVE_KV_IPC=0``), the
+    path before same-GPU CUDA IPC: the A/B of ``engines.kv_ipc``."""
 
     @property
     def name(self) -> str:
         """The one spelling of this system (``parse(s.name) == s``)."""
-        return self._name + (f"+mps{self.mps}" if self.mps is not None else "")
+        return (self._name + (f"+mps{self.mps}" if self.mps is not None else "")
+                + ("+hostkv" if self.host_kv else ""))
 
     @property
     def _name(self) -> str:
@@ -117,6 +122,8 @@ class System:
         env = dict(SYSTEMS[self.base]["env"])
         if self.mps is not None:
             env[MPS_SHARES_ENV] = ",".join(f"{st}={self.mps}" for st in MPS_CAPPED)
+        if self.host_kv:
+            env[KV_IPC_ENV] = "0"
         return env
 
     @property
@@ -180,15 +187,21 @@ def point(base: str, layout: Alloc, batch_bound: int | None = None, offload: flo
 
 def parse(system: str) -> System:
     """``system`` as a ``System``; a ``ValueError`` naming the wrong part for a name it refuses."""
-    head, plus, tail = system.partition("+")
+    head, plus, tail = system.rpartition("+")
     if plus:
-        m = re.fullmatch(r"mps(\d+)", tail)
-        if m is None or not 1 <= int(m.group(1)) <= 100 or str(int(m.group(1))) != m.group(1):
-            raise _refuse(system, f"{tail!r}: the part after + is mpsNN, NN the encode and prefill SM cap in "
-                                  "percent (1-100)")
         inner = parse(head)
         if inner.base not in POINT_SYSTEMS:
-            raise _refuse(system, f"{inner.base} runs one process per GPU: +mps has nothing to cap")
+            raise _refuse(system, f"{inner.base} runs one process per GPU: +{tail} has nothing to change")
+        if tail == "hostkv":
+            if inner.host_kv:
+                raise _refuse(system, "+hostkv is named twice")
+            return replace(inner, host_kv=True)
+        m = re.fullmatch(r"mps(\d+)", tail)
+        if m is None or not 1 <= int(m.group(1)) <= 100 or str(int(m.group(1))) != m.group(1):
+            raise _refuse(system, f"{tail!r}: a part after + is mpsNN, NN the encode and prefill SM cap in "
+                                  "percent (1-100), or hostkv")
+        if inner.mps is not None or inner.host_kv:
+            raise _refuse(system, "+mpsNN comes once, before +hostkv")
         return replace(inner, mps=int(m.group(1)))
     base, at, tokens = system.partition("@")
     base, colon, rest = base.partition(":")

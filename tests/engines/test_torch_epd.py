@@ -241,6 +241,45 @@ def test_more_requests_than_kv_slots_wait_and_all_complete(llava: Path, engines:
         assert out["tokens"] == reference(i)
 
 
+class OffersAShare:
+    """The real prefill engine, whose outputs also offer a same-GPU share (``engines.kv_ipc``) that a
+    decode on the CPU cannot map; records each answer the worker passes back."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.answers: list[bool] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def prefill(self, batch: Any, sm_share: float = 1.0) -> Any:
+        import dataclasses
+
+        def share() -> tuple[dict[str, Any], Callable[[bool], None]]:
+            return {"gpu": "GPU-elsewhere", "handle": None}, self.answers.append
+
+        outs = await self.inner.prefill(batch, sm_share)
+        return [dataclasses.replace(o, share_kv=share) for o in outs]
+
+
+def test_a_refused_same_gpu_share_falls_back_to_host_bytes_and_loses_nothing(llava: Path, engines: dict[str, Any],
+                                                                           reference: Any) -> None:
+    """Decode refuses a share it cannot map before anything else; the prefill worker then sends
+    that instance the host copy (chunks here) and offers it no share again. Outputs equal generate."""
+    sharing = OffersAShare(engines["prefill"])
+
+    async def main() -> tuple[list[dict[str, Any]], EPD]:
+        async with EPD(llava, {**engines, "prefill": sharing}, 1.0, slots=4) as epd:
+            return [await epd.ask(request(i)[0]) for i in (0, 1)], epd
+
+    outs, epd = asyncio.run(main())
+    for i, out in enumerate(outs):
+        assert out["tokens"] == reference(i)
+    assert sharing.answers == [False]  # refused once; the second request was not offered one
+    assert epd.remote._ipc_refused == {7} and epd.decode_engine.stats["ipc_opened"] == 0
+    assert epd.decode_engine.stats["admits"] == 2
+
+
 @pytest.mark.parametrize("stage_buffers", [0, 1])
 def test_kv_staging_with_fewer_buffers_than_waiting_caches(llava: Path, engines: dict[str, Any], reference: Any,
                                                           stage_buffers: int, tmp_path: Path,

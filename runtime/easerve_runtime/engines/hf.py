@@ -49,6 +49,7 @@ from typing import Any
 
 import numpy as np
 
+from easerve_runtime.engines import kv_ipc
 from easerve_runtime.engines.base import (
     DecodeSequence,
     Embedding,
@@ -258,12 +259,14 @@ def kv_pinned() -> bool:
     return os.environ.get(PINNED_ENV, "1") != "0"
 
 
-def deferred_pack(kv: Any, ready: Any) -> Any:
+def deferred_pack(kv: Any, ready: Any, held: list[Any] | None = None) -> Any:
     """``PrefillOutput.pack_kv`` for a device tensor: copies it to the host on a side stream once the
     prefill's stream has produced it (``ready``, a CUDA event), so the copy neither waits for nor
-    holds up the next prefill's kernels; into pinned memory unless ``kv_pinned()`` says otherwise."""
+    holds up the next prefill's kernels; into pinned memory unless ``kv_pinned()`` says otherwise.
+    ``held``: the holder it shares with ``kv_ipc.deferred_share`` (whichever path runs frees it)."""
 
-    held = [kv]  # released by the first call: the device copy must not live as long as the request
+    if held is None:
+        held = [kv]  # released by the first call: the device copy must not live as long as the request
 
     def pack() -> memoryview:
         import torch
@@ -976,7 +979,10 @@ class HFPrefillEngine(_Stage):
             if self.device.startswith("cuda"):  # the host copy waits for the handoff (deferred_pack)
                 ready = torch.cuda.Event()
                 ready.record()
-                return PrefillOutput(r.request_id, token, nbytes, kv_meta=meta, pack_kv=deferred_pack(kv, ready))
+                held = [kv]  # one holder: the IPC share or the host copy, whichever the handoff takes
+                share = kv_ipc.deferred_share(held, ready) if kv_ipc.enabled() else None
+                return PrefillOutput(r.request_id, token, nbytes, kv_meta=meta,
+                                     pack_kv=deferred_pack(kv, ready, held), share_kv=share)
             data = _to_bytes(kv)
         return PrefillOutput(r.request_id, token, len(data), kv=data, kv_meta=meta)
 
@@ -1154,7 +1160,7 @@ def _new_decode_stats() -> dict[str, Any]:
     return {"steps": 0, "rows": 0, "step_s": 0.0, "forward_ms": 0.0, "sample_ms": 0.0,
             "admits": 0, "admit_s": 0.0, "admit_wait_s": 0.0, "admit_unstaged": 0, "unstaged_load_s": 0.0,
             "staged": 0, "stage_s": 0.0, "stage_bytes": 0, "releases": 0, "release_s": 0.0,
-            "captures": 0, "capture_s": 0.0, "kv_len": {}, "batch_bucket": {}}
+            "captures": 0, "capture_s": 0.0, "ipc_opened": 0, "ipc_open_s": 0.0, "kv_len": {}, "batch_bucket": {}}
 
 
 class HFDecodeEngine(_Stage):
@@ -1316,6 +1322,21 @@ class HFDecodeEngine(_Stage):
             asyncio.to_thread(self._stage_sync, data, meta, buf, free_after))
         self._staged[seq.request_id] = (task, buf)
         return task
+
+    def open_kv(self, desc: Mapping[str, Any]) -> Any:
+        """The cache a prefill process on this GPU left on the device (``kv_ipc``): mapped, copied
+        device to device, unmapped; the copy becomes the sequence's ``kv_local``. Blocking (call
+        it in a thread); raises ``kv_ipc.KVIPCRefused`` if it is not this GPU's."""
+        import time
+
+        t0 = time.perf_counter()
+        if not self._cuda:
+            raise kv_ipc.KVIPCRefused(f"this decode engine is on {self.device}")
+        with self._capture_lock:  # no CUDA API call beside a graph being captured
+            kv = kv_ipc.open_shared(desc, self.device)
+        self.stats["ipc_opened"] += 1
+        self.stats["ipc_open_s"] += time.perf_counter() - t0
+        return kv
 
     def discard(self, request_id: str) -> None:
         """A sequence that will never be admitted: give its staging buffer back once its copy ends."""

@@ -32,6 +32,7 @@ from typing import Any
 
 from easerve_runtime.api import DecodeSpec, EPDDeploymentSpec
 from easerve_runtime.engines.base import DecodeEngine, DecodeSequence, Sampling, SlotDecodeEngine
+from easerve_runtime.engines.kv_ipc import KVIPCRefused
 from easerve_runtime.metrics import Metrics
 from easerve_runtime.policies.decode_admission import DecodeAdmission
 from easerve_runtime.workers.blobs import HostBlobs
@@ -134,7 +135,14 @@ class DecodeWorker:
         try:
             rid = str(request["id"])
             kv: bytes | bytearray | mmap.mmap | None = None
-            if "kv_blob" in request:
+            kv_local: Any = None
+            if "kv_ipc" in request:  # the prefill's device tensor, on this GPU (engines.kv_ipc)
+                try:
+                    kv_local = await self._open_shared(request["kv_ipc"])
+                except KVIPCRefused as exc:  # before anything else: the prefill sends host bytes instead
+                    yield {"error": f"decode: {exc}", "kv_ipc_refused": True}
+                    return
+            elif "kv_blob" in request:
                 if self.blobs is None:
                     raise ValueError("a same-host KV blob was sent, but this worker has no blob directory")
                 kv = await self.blobs.take(str(request["kv_blob"]), mapped=True)  # no copy: mapped
@@ -154,6 +162,7 @@ class DecodeWorker:
                 sampling=Sampling.from_wire(request),
                 kv=kv,
                 kv_meta=dict(request.get("kv_meta") or {}),
+                kv_local=kv_local,
             )
             kv_bytes = int(request.get("kv_bytes", 0))
         except (KeyError, ValueError, TypeError) as exc:
@@ -202,6 +211,13 @@ class DecodeWorker:
                 watch.cancel()
             if not finished and not seq.done:  # a finished sequence leaves the batch by itself
                 self._cancel(rid)
+
+    async def _open_shared(self, desc: Any) -> Any:
+        """Map and copy a same-GPU cache (off the loop); ``KVIPCRefused`` if this engine cannot."""
+        opener = getattr(self.engine, "open_kv", None)
+        if opener is None or not isinstance(desc, dict):
+            raise KVIPCRefused("this decode engine takes no same-GPU KV shares")
+        return await asyncio.to_thread(opener, desc)
 
     def _cancel(self, rid: str) -> None:
         """The request's caller went away (its stream was closed, or its Dynamo context stopped):

@@ -77,6 +77,10 @@ class PrefillWorker:
         self.kv_chunk_bytes = KV_CHUNK_BYTES
         self.blobs = HostBlobs.from_env()
         """Same-host shared memory for the KV bytes and envelopes (``workers.blobs``)."""
+        self._ipc_refused: set[int] = set()
+        """Decode instances that refused a same-GPU KV share (another GPU): sent host copies."""
+        self._ipc_off = False
+        """Exporting a share failed here: every handoff takes the host path."""
 
     @property
     def inflight(self) -> int:
@@ -246,31 +250,41 @@ class PrefillWorker:
         got = 0
         finish = None
         blob: str | None = None
+        answered: Callable[[bool], None] | None = None  # the IPC share's: decode took it, or refused it
         try:
             instance = None
-            if out.has_kv():  # a real engine: move the KV bytes to one decode instance first
+            if out.has_kv():  # a real engine: move the KV cache to one decode instance first
                 instance = self.decode.pick()
                 req["kv_meta"] = dict(out.kv_meta)
                 t0 = time.monotonic()
-                kv = out.kv
-                if kv is None and out.pack_kv is not None:  # off the loop: a device-to-host copy
-                    kv = await asyncio.to_thread(out.pack_kv)
-                assert kv is not None
-                if self.blobs is not None:
-                    req["kv_blob"] = blob = await self.blobs.put(kv)
-                    self.metrics.kv_handoff_bytes.inc(len(kv))
-                    self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
-                else:
-                    req["kv_chunks"] = await self._send_kv(rid, kv, instance)
-                del kv
-            async for item in self.decode.stream(req, instance=instance):
-                if "error" in item:
-                    raise StageError(str(item["error"]))
-                if "finish_reason" in item:
-                    finish = item["finish_reason"]
-                    continue
-                got += 1
-                q.put_nowait({"id": rid, "token": item["token"]})
+                answered = await self._share_kv(out, instance, req)
+                if answered is None:
+                    blob = await self._host_kv(rid, out, instance, req)
+                self.metrics.kv_handoff_bytes.inc(out.kv_bytes)
+                self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
+            for _attempt in range(2):  # a second time only if decode refused the IPC share
+                refused = False
+                async for item in self.decode.stream(req, instance=instance):
+                    if answered is not None:  # decode's first answer: it copied the cache, or refused it
+                        refused = bool(item.get("kv_ipc_refused"))
+                        answered(not refused)
+                        answered = None
+                    if refused:
+                        continue  # the refusal is decode's only item; send the host copy instead
+                    if "error" in item:
+                        raise StageError(str(item["error"]))
+                    if "finish_reason" in item:
+                        finish = item["finish_reason"]
+                        continue
+                    got += 1
+                    q.put_nowait({"id": rid, "token": item["token"]})
+                if not refused:
+                    break
+                assert instance is not None
+                log.warning("decode instance %s refused a same-GPU KV share; sending it host copies", instance)
+                self._ipc_refused.add(instance)
+                req.pop("kv_ipc", None)
+                blob = await self._host_kv(rid, out, instance, req)
             if got != expected and finish != "stop":
                 raise StageError(f"decode stream ended after {got} of {expected} tokens")
             q.put_nowait({"id": rid, "done": True, "finish_reason": finish or "length"})
@@ -285,6 +299,32 @@ class PrefillWorker:
         finally:
             if blob is not None and self.blobs is not None:
                 self.blobs.discard(blob)  # taken by decode, unless it never got that far
+
+    async def _share_kv(self, out: PrefillOutput, instance: int, req: dict[str, Any]) -> Callable[[bool], None] | None:
+        """Offer decode ``instance`` the cache by CUDA IPC (``engines.kv_ipc``) where the engine can;
+        returns what to call with decode's answer, or None (the host path is to be taken)."""
+        if out.share_kv is None or self._ipc_off or instance in self._ipc_refused:
+            return None
+        try:
+            req["kv_ipc"], answered = await asyncio.to_thread(out.share_kv)
+        except Exception as exc:  # noqa: BLE001 - this driver or allocator cannot export: host copies from now on
+            log.warning("a same-GPU KV share failed (%r); the KV handoff takes host copies from now on", exc)
+            self._ipc_off = True
+            return None
+        return answered
+
+    async def _host_kv(self, rid: str, out: PrefillOutput, instance: int, req: dict[str, Any]) -> str | None:
+        """Put the cache's bytes where decode ``instance`` reads them (a same-host blob, else chunks
+        sent ahead); returns the blob's name (discarded once the request ends), if one was made."""
+        kv = out.kv
+        if kv is None and out.pack_kv is not None:  # off the loop: a device-to-host copy
+            kv = await asyncio.to_thread(out.pack_kv)
+        assert kv is not None
+        if self.blobs is not None:
+            req["kv_blob"] = blob = await self.blobs.put(kv)
+            return blob
+        req["kv_chunks"] = await self._send_kv(rid, kv, instance)
+        return None
 
     async def _send_kv(self, rid: str, kv: bytes | bytearray | memoryview, instance: int) -> int:
         """Send ``kv`` to decode ``instance`` in chunks, a few in flight; returns the chunk count."""
@@ -302,11 +342,8 @@ class PrefillWorker:
             if not acked:
                 raise StageError(f"decode did not acknowledge KV chunk {i} of {rid}")
 
-        t0 = time.monotonic()
         for start in range(0, n, KV_CHUNKS_IN_FLIGHT):
             await asyncio.gather(*(one(i) for i in range(start, min(n, start + KV_CHUNKS_IN_FLIGHT))))
-        self.metrics.kv_handoff_bytes.inc(len(kv))
-        self.metrics.kv_handoff_seconds.observe(time.monotonic() - t0)
         return n
 
 

@@ -1,0 +1,77 @@
+"""The same-GPU KV handoff by CUDA IPC (``engines.kv_ipc``) between two real processes on one GPU.
+
+The two-process test needs CUDA (skipped elsewhere; run on the GPU machine). The producer is a child process that
+exports a device tensor as the prefill engine does; this process maps it as the decode engine
+does, refuses a descriptor of another GPU, and tells the producer it may drop its tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA IPC needs a GPU")
+
+REPO = Path(__file__).resolve().parents[2]
+SHAPE = (2, 2, 3, 5, 4)
+
+PRODUCER = f"""
+import json, sys, torch
+from easerve_runtime.engines import kv_ipc
+kv = (torch.arange({'*'.join(map(str, SHAPE))}, device="cuda", dtype=torch.float32) * 0.5).to(torch.bfloat16)
+held = [kv.reshape{SHAPE}]
+ready = torch.cuda.Event()
+ready.record()
+desc, answered = kv_ipc.deferred_share(held, ready)()
+print(json.dumps(desc), flush=True)
+answered(sys.stdin.readline().strip() == "taken")
+print(json.dumps({{"held": len(held)}}), flush=True)
+sys.stdin.readline()
+"""
+
+
+def expected() -> object:
+    n = 1
+    for x in SHAPE:
+        n *= x
+    return (torch.arange(n, dtype=torch.float32) * 0.5).to(torch.bfloat16).reshape(SHAPE)
+
+
+@needs_cuda
+def test_a_tensor_crosses_processes_on_one_gpu_and_the_producer_drops_it_once_copied() -> None:
+    from easerve_runtime.engines import kv_ipc
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "runtime"), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-c", PRODUCER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         text=True, env=env)
+    try:
+        assert p.stdout is not None and p.stdin is not None
+        desc = json.loads(p.stdout.readline())
+        assert desc["gpu"] == kv_ipc.gpu_uuid(torch.device("cuda"))
+        with pytest.raises(kv_ipc.KVIPCRefused, match="GPU"):
+            kv_ipc.open_shared({**desc, "gpu": "GPU-elsewhere"}, "cuda")
+        got = kv_ipc.open_shared(desc, "cuda")
+        assert got.device.type == "cuda" and tuple(got.shape) == SHAPE and got.dtype == torch.bfloat16
+        assert torch.equal(got.cpu(), expected())  # a device-local copy of the producer's tensor
+        p.stdin.write("taken\n")
+        p.stdin.flush()
+        assert json.loads(p.stdout.readline()) == {"held": 0}  # the producer let its tensor go
+        p.stdin.write("\n")
+        p.stdin.flush()
+        assert p.wait(30) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+def test_a_decode_on_the_cpu_refuses_a_share_naming_why() -> None:
+    from easerve_runtime.engines import kv_ipc
+
+    with pytest.raises(kv_ipc.KVIPCRefused, match="cpu"):
+        kv_ipc.open_shared({"gpu": "GPU-x"}, "cpu")
