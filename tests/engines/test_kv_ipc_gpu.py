@@ -25,13 +25,14 @@ PRODUCER = f"""
 import json, sys, torch
 from easerve_runtime.engines import kv_ipc
 kv = (torch.arange({'*'.join(map(str, SHAPE))}, device="cuda", dtype=torch.float32) * 0.5).to(torch.bfloat16)
-held = [kv.reshape{SHAPE}]
+helds = [[kv.reshape{SHAPE}], [(kv * 2).reshape{SHAPE}], [(kv * 3).reshape{SHAPE}]]
 ready = torch.cuda.Event()
 ready.record()
-desc, answered = kv_ipc.deferred_share(held, ready)()
-print(json.dumps(desc), flush=True)
-answered(sys.stdin.readline().strip() == "taken")
-print(json.dumps({{"held": len(held)}}), flush=True)
+shares = [kv_ipc.deferred_share(held, ready)() for held in helds]
+print(json.dumps([desc for desc, _ in shares]), flush=True)
+for _, answered in shares:
+    answered(sys.stdin.readline().strip() == "taken")
+print(json.dumps({{"held": [len(h) for h in helds]}}), flush=True)
 sys.stdin.readline()
 """
 
@@ -52,16 +53,22 @@ def test_a_tensor_crosses_processes_on_one_gpu_and_the_producer_drops_it_once_co
                          text=True, env=env)
     try:
         assert p.stdout is not None and p.stdin is not None
-        desc = json.loads(p.stdout.readline())
+        desc, desc2, _never_opened = json.loads(p.stdout.readline())
         assert desc["gpu"] == kv_ipc.gpu_uuid(torch.device("cuda"))
         with pytest.raises(kv_ipc.KVIPCRefused, match="GPU"):
             kv_ipc.open_shared({**desc, "gpu": "GPU-elsewhere"}, "cuda")
         got = kv_ipc.open_shared(desc, "cuda")
         assert got.device.type == "cuda" and tuple(got.shape) == SHAPE and got.dtype == torch.bfloat16
         assert torch.equal(got.cpu(), expected())  # a device-local copy of the producer's tensor
-        p.stdin.write("taken\n")
+        buf = torch.zeros(got.numel() + 7, dtype=torch.bfloat16, device="cuda")  # a staging buffer
+        ev = torch.cuda.Event()
+        ev.record()
+        into = kv_ipc.open_shared(desc2, "cuda", dst=buf, after=ev)
+        assert into.data_ptr() == buf.data_ptr() and torch.equal(into.cpu(), expected() * 2)
+        p.stdin.write("taken\ntaken\nrefused\n")
         p.stdin.flush()
-        assert json.loads(p.stdout.readline()) == {"held": 0}  # the producer let its tensor go
+        # taken: let go; refused (its IPC count returned): kept for the host copy that follows
+        assert json.loads(p.stdout.readline()) == {"held": [0, 0, 1]}
         p.stdin.write("\n")
         p.stdin.flush()
         assert p.wait(30) == 0

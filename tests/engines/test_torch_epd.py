@@ -276,7 +276,8 @@ def test_a_refused_same_gpu_share_falls_back_to_host_bytes_and_loses_nothing(lla
     for i, out in enumerate(outs):
         assert out["tokens"] == reference(i)
     assert sharing.answers == [False]  # refused once; the second request was not offered one
-    assert epd.remote._ipc_refused == {7} and epd.decode_engine.stats["ipc_opened"] == 0
+    assert epd.remote._ipc_refused == {7} and epd.remote._ipc_outstanding == 0
+    assert epd.decode_engine.stats["ipc_opened"] == 0
     assert epd.decode_engine.stats["admits"] == 2
 
 

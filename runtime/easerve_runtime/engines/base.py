@@ -182,6 +182,9 @@ class DecodeSequence:
     kv_meta: Mapping[str, Any] = field(default_factory=dict)
     kv_local: Any = None
     """The cache as a prefill engine in this process left it (``PrefillOutput.kv_local``), or None."""
+    kv_ipc: Mapping[str, Any] | None = None
+    """The cache as a prefill process on this GPU left it: a CUDA IPC descriptor (``engines.kv_ipc``)
+    that the engine maps and copies when it stages the cache, or None."""
 
     @property
     def stopped(self) -> bool:

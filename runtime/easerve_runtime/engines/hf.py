@@ -1308,8 +1308,8 @@ class HFDecodeEngine(_Stage):
         Returns the copy's task (``admit`` takes the staged cache; awaiting the task only waits
         for the copy), or None when nothing was started (no free buffer, no host bytes, or a
         sequence that does not fit: ``admit`` reports that). Call from the event loop."""
-        if (seq.kv is None or seq.request_id in self._staged or not self._stage_free or not self.fits(seq)
-                or not seq.kv_meta):
+        if ((seq.kv is None and seq.kv_ipc is None) or seq.request_id in self._staged or not self._stage_free
+                or not self.fits(seq) or not seq.kv_meta):
             return None
         shape = [int(x) for x in seq.kv_meta.get("shape", ())]
         if len(shape) != 5 or int(np.prod(shape)) > self._stage_elems:
@@ -1318,22 +1318,27 @@ class HFDecodeEngine(_Stage):
             return None
         buf, free_after = self._stage_free.pop()
         data, meta = seq.kv, dict(seq.kv_meta)
-        task = asyncio.get_running_loop().create_task(
-            asyncio.to_thread(self._stage_sync, data, meta, buf, free_after))
+        if seq.kv_ipc is not None:  # another process's device tensor: mapped and copied into the buffer
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._open_kv, seq.kv_ipc, buf, free_after))
+        else:
+            task = asyncio.get_running_loop().create_task(
+                asyncio.to_thread(self._stage_sync, data, meta, buf, free_after))
         self._staged[seq.request_id] = (task, buf)
         return task
 
-    def open_kv(self, desc: Mapping[str, Any]) -> Any:
+    def check_kv_share(self, desc: Mapping[str, Any]) -> None:
+        """Raise ``kv_ipc.KVIPCRefused`` unless this engine can map ``desc`` (its GPU, CUDA)."""
+        kv_ipc.check(desc, self.device)
+
+    def _open_kv(self, desc: Mapping[str, Any], dst: Any = None, after: Any = None) -> Any:
         """The cache a prefill process on this GPU left on the device (``kv_ipc``): mapped, copied
-        device to device, unmapped; the copy becomes the sequence's ``kv_local``. Blocking (call
-        it in a thread); raises ``kv_ipc.KVIPCRefused`` if it is not this GPU's."""
+        device to device (into ``dst`` when given), unmapped. Blocking (call it in a thread)."""
         import time
 
         t0 = time.perf_counter()
-        if not self._cuda:
-            raise kv_ipc.KVIPCRefused(f"this decode engine is on {self.device}")
         with self._capture_lock:  # no CUDA API call beside a graph being captured
-            kv = kv_ipc.open_shared(desc, self.device)
+            kv = kv_ipc.open_shared(desc, self.device, dst, after)
         self.stats["ipc_opened"] += 1
         self.stats["ipc_open_s"] += time.perf_counter() - t0
         return kv
@@ -1394,7 +1399,7 @@ class HFDecodeEngine(_Stage):
         staged = self._staged.pop(seq.request_id, None)
         buf = None
         try:
-            if staged is None and seq.kv is None and seq.kv_local is None:
+            if staged is None and seq.kv is None and seq.kv_local is None and seq.kv_ipc is None:
                 raise ValueError(f"request {seq.request_id}: no KV cache handed over")
             if not self.fits(seq):
                 raise ValueError(
@@ -1406,6 +1411,8 @@ class HFDecodeEngine(_Stage):
                 task, buf = staged
                 try:
                     kv = await task
+                except kv_ipc.KVIPCRefused:  # a share no longer mappable: tried once more below
+                    pass
                 except Exception as exc:  # noqa: BLE001 - load it the other way; stage no more
                     log.warning("decode: staging a KV cache failed (%r); loading caches at admission", exc)
                     self._staging_failed = True
@@ -1414,6 +1421,9 @@ class HFDecodeEngine(_Stage):
                 kv = seq.kv_local
                 if kv.device != self.K.device or kv.dtype != self.K.dtype:
                     kv = kv.to(self.K.device, self.K.dtype)
+            if kv is None and seq.kv_ipc is not None:  # a same-GPU share no buffer was free for: copy it now
+                kv = await asyncio.to_thread(self._open_kv, seq.kv_ipc)
+                self.stats["admit_unstaged"] += 1
             if kv is None:  # no buffer was free when it arrived: load it now, off the loop and the step's stream
                 t1 = time.perf_counter()
                 kv = await asyncio.to_thread(self._to_device, seq.kv, seq.kv_meta, None, None)
@@ -1438,7 +1448,7 @@ class HFDecodeEngine(_Stage):
         self.sampling[seq.request_id] = seq.sampling
         if self.mrope:
             self.rope_delta[seq.request_id] = int((seq.kv_meta or {}).get("rope_delta", 0))
-        seq.kv = seq.kv_local = None  # the slot holds it now
+        seq.kv = seq.kv_local = seq.kv_ipc = None  # the slot holds it now
         self.stats["admits"] += 1
         self.stats["admit_s"] += time.perf_counter() - t0
 

@@ -78,13 +78,10 @@ def export(kv: Any) -> dict[str, Any]:
     }
 
 
-def open_shared(desc: Mapping[str, Any], device: Any) -> Any:
-    """A device-local copy of the tensor ``desc`` describes (made on a side stream, finished before
-    this returns); the mapping is closed again, which returns the producer its block.
-
-    Raises :class:`KVIPCRefused` if ``device`` is not the producer's GPU or the driver refuses."""
+def check(desc: Mapping[str, Any], device: Any) -> None:
+    """Raise :class:`KVIPCRefused` unless ``device`` is the GPU ``desc``'s tensor lies on (no CUDA call
+    beyond reading the device's properties): decode answers this before it queues the request."""
     import torch
-    from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     dev = torch.device(device)
     if dev.type != "cuda":
@@ -95,17 +92,36 @@ def open_shared(desc: Mapping[str, Any], device: Any) -> Any:
         raise KVIPCRefused(f"cannot read this process's GPU: {exc}") from exc
     if mine != str(desc.get("gpu")):
         raise KVIPCRefused(f"the cache is on GPU {desc.get('gpu')}, this decode engine on {mine}")
+
+
+def open_shared(desc: Mapping[str, Any], device: Any, dst: Any = None, after: Any = None) -> Any:
+    """A device-local copy of the tensor ``desc`` describes, into ``dst``'s memory when given (after
+    CUDA event ``after``), made on a side stream and finished before this returns; the mapping is
+    closed again, which returns the producer its block.
+
+    Raises :class:`KVIPCRefused` if ``device`` is not the producer's GPU or the driver refuses."""
+    import torch
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    check(desc, device)
+    dev = torch.device(device)
     try:
         dtype = getattr(torch, str(desc["dtype"]))
         stream = torch.cuda.Stream(device=dev)
         with torch.cuda.device(dev), torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)  # ``dst`` is free once that event has run
             shared = rebuild_cuda_tensor(
                 torch.Tensor, torch.Size(desc["shape"]), tuple(desc["stride"]), int(desc["storage_offset"]),
-                torch.UntypedStorage, dtype, dev.index if dev.index is not None else torch.cuda.current_device(),
+                torch.UntypedStorage, dtype, torch.cuda.current_device(),
                 _unb64(desc["handle"]), int(desc["size"]), int(desc["offset"]), False,
                 _unb64(desc["ref"]), int(desc["ref_offset"]), _unb64(desc.get("event")), bool(desc["event_sync"]),
             )
-            local = shared.clone()
+            if dst is None:
+                local = shared.clone()
+            else:
+                local = dst[: shared.numel()].view(shared.shape)
+                local.copy_(shared)
         stream.synchronize()  # the copy has read the producer's block: the mapping may close
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
         raise KVIPCRefused(f"could not map the cache: {exc}") from exc

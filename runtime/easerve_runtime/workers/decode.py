@@ -135,10 +135,10 @@ class DecodeWorker:
         try:
             rid = str(request["id"])
             kv: bytes | bytearray | mmap.mmap | None = None
-            kv_local: Any = None
+            kv_ipc: dict[str, Any] | None = None
             if "kv_ipc" in request:  # the prefill's device tensor, on this GPU (engines.kv_ipc)
                 try:
-                    kv_local = await self._open_shared(request["kv_ipc"])
+                    kv_ipc = self._check_share(request["kv_ipc"])
                 except KVIPCRefused as exc:  # before anything else: the prefill sends host bytes instead
                     yield {"error": f"decode: {exc}", "kv_ipc_refused": True}
                     return
@@ -162,7 +162,7 @@ class DecodeWorker:
                 sampling=Sampling.from_wire(request),
                 kv=kv,
                 kv_meta=dict(request.get("kv_meta") or {}),
-                kv_local=kv_local,
+                kv_ipc=kv_ipc,
             )
             kv_bytes = int(request.get("kv_bytes", 0))
         except (KeyError, ValueError, TypeError) as exc:
@@ -171,7 +171,7 @@ class DecodeWorker:
         await self.engine.receive_kv(kv_bytes)
         q: asyncio.Queue[Any] = asyncio.Queue()
         need = float(self.kv_bytes(seq.context_tokens + seq.max_tokens))
-        if self._stage is not None and seq.kv is not None:
+        if self._stage is not None and (seq.kv is not None or seq.kv_ipc is not None):
             task = self._stage(seq)
             if task is None:
                 self._unstaged[rid] = seq  # staged later, when a buffer frees up
@@ -181,8 +181,14 @@ class DecodeWorker:
                 except asyncio.CancelledError:
                     getattr(self.engine, "discard", lambda _rid: None)(rid)
                     raise
+                except KVIPCRefused as exc:  # the driver would not map it: the prefill sends host bytes
+                    getattr(self.engine, "discard", lambda _rid: None)(rid)
+                    yield {"error": f"decode: {exc}", "kv_ipc_refused": True}
+                    return
                 except Exception:  # noqa: BLE001 - reported by admit, which awaits the same task
                     pass
+                if seq.kv_ipc is not None:  # copied: the prefill may drop its tensor now, not at the first token
+                    yield {"kv_taken": True}
         self._entered[rid] = entered
         self.admission.add((seq, q, need), need)
         self._gauges()
@@ -212,12 +218,13 @@ class DecodeWorker:
             if not finished and not seq.done:  # a finished sequence leaves the batch by itself
                 self._cancel(rid)
 
-    async def _open_shared(self, desc: Any) -> Any:
-        """Map and copy a same-GPU cache (off the loop); ``KVIPCRefused`` if this engine cannot."""
-        opener = getattr(self.engine, "open_kv", None)
-        if opener is None or not isinstance(desc, dict):
+    def _check_share(self, desc: Any) -> dict[str, Any]:
+        """``desc`` if this engine can map that same-GPU cache when it stages it; ``KVIPCRefused`` if not."""
+        check = getattr(self.engine, "check_kv_share", None)
+        if check is None or not isinstance(desc, dict):
             raise KVIPCRefused("this decode engine takes no same-GPU KV shares")
-        return await asyncio.to_thread(opener, desc)
+        check(desc)
+        return desc
 
     def _cancel(self, rid: str) -> None:
         """The request's caller went away (its stream was closed, or its Dynamo context stopped):
@@ -239,7 +246,7 @@ class DecodeWorker:
         if self._stage is None:
             return
         for rid, seq in list(self._unstaged.items()):
-            if seq.kv is None or self._stage(seq) is not None:
+            if (seq.kv is None and seq.kv_ipc is None) or self._stage(seq) is not None:
                 del self._unstaged[rid]
             else:
                 break

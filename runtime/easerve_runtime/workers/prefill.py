@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -34,6 +35,11 @@ Pending = tuple[dict[str, Any], "asyncio.Queue[dict[str, Any]]"]
 KV_CHUNK_BYTES = 4 << 20
 """KV cache bytes per request-plane message to decode (4 MiB: well under Dynamo's TCP message cap)."""
 KV_CHUNKS_IN_FLIGHT = 4
+IPC_OUTSTANDING_ENV = "EASERVE_KV_IPC_OUTSTANDING"
+IPC_MAX_OUTSTANDING = 8
+"""Same-GPU KV shares (``engines.kv_ipc``) a prefill worker keeps offered at once; more go by host
+copy. Eight 7B caches of 2,560 tokens are 2.6 GB of this GPU's memory; decode copies each into one
+of its staging buffers (``EASERVE_KV_STAGE``, 4) as they free up."""
 
 
 class PrefillWorker:
@@ -81,6 +87,10 @@ class PrefillWorker:
         """Decode instances that refused a same-GPU KV share (another GPU): sent host copies."""
         self._ipc_off = False
         """Exporting a share failed here: every handoff takes the host path."""
+        self._ipc_outstanding = 0
+        self.ipc_max_outstanding = int(os.environ.get(IPC_OUTSTANDING_ENV, IPC_MAX_OUTSTANDING))
+        """Caches offered by IPC and not yet copied by decode: each holds its device memory here
+        until then (a decode that falls behind would otherwise grow this GPU's memory without bound)."""
 
     @property
     def inflight(self) -> int:
@@ -269,8 +279,9 @@ class PrefillWorker:
                         refused = bool(item.get("kv_ipc_refused"))
                         answered(not refused)
                         answered = None
-                    if refused:
-                        continue  # the refusal is decode's only item; send the host copy instead
+                        self._ipc_outstanding -= 1
+                    if refused or item.get("kv_taken"):
+                        continue  # a refusal is decode's only item: the host copy follows
                     if "error" in item:
                         raise StageError(str(item["error"]))
                     if "finish_reason" in item:
@@ -299,18 +310,22 @@ class PrefillWorker:
         finally:
             if blob is not None and self.blobs is not None:
                 self.blobs.discard(blob)  # taken by decode, unless it never got that far
+            if answered is not None:  # no answer came (decode died or the client left): its tensor goes
+                self._ipc_outstanding -= 1  # with ``out``; the IPC count it may still hold is not known
 
     async def _share_kv(self, out: PrefillOutput, instance: int, req: dict[str, Any]) -> Callable[[bool], None] | None:
         """Offer decode ``instance`` the cache by CUDA IPC (``engines.kv_ipc``) where the engine can;
         returns what to call with decode's answer, or None (the host path is to be taken)."""
-        if out.share_kv is None or self._ipc_off or instance in self._ipc_refused:
-            return None
+        if (out.share_kv is None or self._ipc_off or instance in self._ipc_refused
+                or self._ipc_outstanding >= self.ipc_max_outstanding):
+            return None  # beyond the bound, the cache leaves the device as before: its memory is the host's
         try:
             req["kv_ipc"], answered = await asyncio.to_thread(out.share_kv)
         except Exception as exc:  # noqa: BLE001 - this driver or allocator cannot export: host copies from now on
             log.warning("a same-GPU KV share failed (%r); the KV handoff takes host copies from now on", exc)
             self._ipc_off = True
             return None
+        self._ipc_outstanding += 1
         return answered
 
     async def _host_kv(self, rid: str, out: PrefillOutput, instance: int, req: dict[str, Any]) -> str | None:
