@@ -96,7 +96,7 @@ class Busy:
         if self.ts is None:
             return dt
         dt *= self.ts.dilation(self.proc, self.work)
-        if rows and isinstance(self.ts, MPSSharing):
+        if rows:
             dt += self.ts.decode_rows_s(self.proc, rows)
         self.ts.occupy(self.proc, self.ts.loop.now + dt)
         return dt

@@ -89,6 +89,10 @@ class TimeSlicing:
             self.charged += 1
         return 1.0 + others
 
+    def decode_rows_s(self, proc: str, rows: int) -> float:
+        """Time-slicing charges a decode step no per-row term (``MPSSharing`` does, beside capped pods)."""
+        return 0.0
+
     def occupy(self, proc: str, until: float) -> None:
         """Pod replica ``proc`` has work in flight until ``until``."""
         if proc in self.devices:
