@@ -30,7 +30,7 @@ def spec_of(system: str) -> dict:
     "easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b16:s0", "easerve:e1p1d1:b1:s1", "easerve:e2p1tp2d1tp4:b8:s0.3",
     "dynamo-style:e1p2d1", "dynamo-style:e1p1d2tp2",
     "easerve:e1p0d1:b6:s0+mps70", "easerve:e1p0d1:b6:s0:cpu+mps50", "dynamo-style:e1p1d1+mps100", "easerve+mps60",
-    "easerve:e1p0d1:b1:s0+mps85+hostkv", "dynamo-style:e1p1d1+hostkv",
+    "easerve:e1p0d1:b1:s0+mps85+kvipc", "dynamo-style:e1p1d1+kvipc",
 ])
 def test_a_name_parses_to_the_system_whose_name_it_is(name: str) -> None:
     assert parse(name).name == name
@@ -68,11 +68,11 @@ def test_a_point_of_has_space_round_trips_through_its_name() -> None:
     ("easerve:e1p0d1:b6:s0+mps070", "'mps070'", "mpsNN"),
     ("easerve:e1p0d1:b6:s0+mps", "'mps'", "mpsNN"),
     ("aggregated@4096+mps50", "aggregated", "+mps50 has nothing to change"),
-    ("aggregated@4096+hostkv", "aggregated", "+hostkv has nothing to change"),
-    ("dynamo-style:e1p1d1+hostkv+mps50", "+mpsNN comes once, before +hostkv", "before +hostkv"),
-    ("dynamo-style:e1p1d1+mps50+mps70", "+mpsNN comes once", "before +hostkv"),
-    ("dynamo-style:e1p1d1+hostkv+hostkv", "+hostkv is named twice", "twice"),
-    ("dynamo-style:e1p1d1+ipc", "'ipc'", "or hostkv"),
+    ("aggregated@4096+kvipc", "aggregated", "+kvipc has nothing to change"),
+    ("dynamo-style:e1p1d1+kvipc+mps50", "+mpsNN comes once, before +kvipc", "before +kvipc"),
+    ("dynamo-style:e1p1d1+mps50+mps70", "+mpsNN comes once", "before +kvipc"),
+    ("dynamo-style:e1p1d1+kvipc+kvipc", "+kvipc is named twice", "twice"),
+    ("dynamo-style:e1p1d1+ipc", "'ipc'", "or kvipc"),
 ])
 def test_a_bad_name_is_refused_naming_the_part_that_is_wrong(name: str, part: str, why: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -155,13 +155,13 @@ def test_an_mps_system_caps_encode_and_prefill_and_leaves_decode_free() -> None:
     assert sys_.slug == "dynamo-style-e1p1d1-mps50"
 
 
-def test_a_hostkv_system_turns_the_same_gpu_kv_share_off_and_changes_nothing_else() -> None:
-    """``+hostkv``: the A/B of ``engines.kv_ipc``: the same spec and caps, the handoff through host memory."""
+def test_a_kvipc_system_turns_the_same_gpu_kv_share_on_and_changes_nothing_else() -> None:
+    """``+kvipc``: the A/B of ``engines.kv_ipc``: the same spec and caps, the handoff by CUDA IPC."""
     from easerve_runtime.engines.kv_ipc import ENV
 
-    sys_ = parse("easerve:e1p0d1:b1:s0+mps85+hostkv")
+    sys_ = parse("easerve:e1p0d1:b1:s0+mps85+kvipc")
     plain = parse("easerve:e1p0d1:b1:s0+mps85")
-    assert sys_.host_kv and not plain.host_kv and sys_.mps == 85
+    assert sys_.kv_ipc and not plain.kv_ipc and sys_.mps == 85
     assert spec_of(sys_.name) == spec_of(plain.name)
-    assert sys_.env == {**plain.env, ENV: "0"} and ENV not in plain.env
-    assert sys_.slug == "easerve-e1p0d1-b1-s0-mps85-hostkv"
+    assert sys_.env == {**plain.env, ENV: "1"} and ENV not in plain.env
+    assert sys_.slug == "easerve-e1p0d1-b1-s0-mps85-kvipc"

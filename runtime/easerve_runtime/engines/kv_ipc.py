@@ -14,7 +14,8 @@ ever unpickled. torch's IPC reference counter governs the producer's block: the 
 its tensor once the consumer has copied, and the block is freed when the consumer's mapping is
 closed; a consumer that refuses the descriptor returns its count with ``release_refused``.
 
-Off with ``EASERVE_KV_IPC=0`` (the host path, as before); it is tried only where the engine is on
+On with ``EASERVE_KV_IPC=1``; off by default until a GPU run has served through it (this path's
+test, ``tests/engines/test_kv_ipc_gpu.py``, needs CUDA). It is tried only where the engine is on
 CUDA, and the decode side refuses a descriptor from another GPU (``KVIPCRefused``), upon which the
 prefill worker sends that instance the host copy instead (``workers.prefill``).
 """
@@ -33,9 +34,13 @@ class KVIPCRefused(Exception):
     """This process cannot map that descriptor (another GPU, no CUDA, or the driver refused)."""
 
 
+DEFAULT = "0"
+"""Off until a GPU run has served through it (docs/engine.md, "KV handoff"); ``1`` turns it on."""
+
+
 def enabled() -> bool:
-    """Same-GPU handoffs by CUDA IPC (``EASERVE_KV_IPC``, default on)."""
-    return os.environ.get(ENV, "1") != "0"
+    """Same-GPU handoffs by CUDA IPC (``EASERVE_KV_IPC``; ``DEFAULT`` when unset)."""
+    return os.environ.get(ENV, DEFAULT) != "0"
 
 
 def gpu_uuid(device: Any) -> str:
