@@ -12,7 +12,9 @@ This rides on torch's own IPC (``UntypedStorage._share_cuda_`` and
 CUDA tensor with), written as plain JSON, not a pickle, so that nothing on the request plane is
 ever unpickled. torch's IPC reference counter governs the producer's block: the producer may drop
 its tensor once the consumer has copied, and the block is freed when the consumer's mapping is
-closed; a consumer that refuses the descriptor returns its count with ``release_refused``.
+closed. When decode refuses a descriptor (it never mapped it), the producer returns that
+descriptor's count itself (``release_refused``, through ``deferred_share``'s answer), else its
+block would wait for a consumer forever.
 
 On with ``EASERVE_KV_IPC=1``; off by default until a GPU run has served through it (this path's
 test, ``tests/engines/test_kv_ipc_gpu.py``, needs CUDA). It is tried only where the engine is on
