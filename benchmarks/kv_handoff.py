@@ -5,7 +5,7 @@ same-host blob, then decode's pinned host-to-device copy) took 101-146 ms on the
 and 31-64 ms on the decode side for a 330 MB cache (GPU run 27). ``engines.kv_ipc`` lets decode
 map the prefill's tensor and copy it device to device instead. This measures both paths side by
 side in one run, with the engine's own pieces: ``hf.deferred_pack`` and ``HostBlobs`` then
-``hf.unpack_kv`` and a pinned copy (what ``HFDecodeEngine._to_device`` does) for the host path;
+``hf.host_kv_to_device`` (the decode engine's staging copy) for the host path;
 ``kv_ipc.deferred_share`` and ``kv_ipc.open_shared`` into a staging buffer for IPC. Each time is
 from the producer's start (the cache ready on its device) to the consumer's copy done on its
 device (``time.perf_counter``: one clock for both processes on Linux).
@@ -60,19 +60,16 @@ def _producer(conn: Any, tokens: int, reps: int, blob_dir: str) -> None:
     conn.send(None)
 
 
-def _consume(msg: dict[str, Any], meta: dict[str, Any], blobs: Any, buf: Any) -> None:
+def _consume(msg: dict[str, Any], meta: dict[str, Any], blobs: Any, buf: Any, stream: Any) -> None:
+    import threading
+
     import torch
     from easerve_runtime.engines import kv_ipc
-    from easerve_runtime.engines.hf import unpack_kv
+    from easerve_runtime.engines.hf import host_kv_to_device
 
-    if msg["path"] == "host":  # as HFDecodeEngine._to_device: mapped take, pinned copy, side-stream load
-        kv = unpack_kv(blobs.take_sync(msg["blob"], mapped=True), meta)
-        pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-        pin.copy_(kv)
-        stream = torch.cuda.Stream()
-        with torch.cuda.stream(stream):
-            buf[: pin.numel()].view(pin.shape).copy_(pin, non_blocking=True)
-        stream.synchronize()
+    if msg["path"] == "host":  # the decode engine's own staging: mapped take, pinned copy, side-stream load
+        host_kv_to_device(blobs.take_sync(msg["blob"], mapped=True), meta, dtype=torch.bfloat16, device="cuda",
+                          stream=stream, lock=threading.Lock(), dst=buf)
     else:
         kv_ipc.open_shared(msg["desc"], "cuda", dst=buf)
 
@@ -92,10 +89,11 @@ def run(tokens: int, reps: int) -> dict[str, Any]:
         for x in meta["shape"]:
             n *= int(x)
         buf = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        stream = torch.cuda.Stream()
         times: dict[str, list[float]] = {"host": [], "ipc": []}
         sides: dict[str, list[float]] = {"host": [], "ipc": []}
         while (msg := here.recv()) is not None:
-            _consume(msg, meta, blobs, buf)
+            _consume(msg, meta, blobs, buf, stream)
             done = time.perf_counter()
             times[msg["path"]].append(1e3 * (done - msg["t0"]))
             sides[msg["path"]].append(1e3 * (msg["sent"] - msg["t0"]))

@@ -247,7 +247,7 @@ class OffersAShare:
 
     def __init__(self, inner: Any) -> None:
         self.inner = inner
-        self.answers: list[bool] = []
+        self.answers: list[tuple[bool, bool]] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
@@ -255,8 +255,9 @@ class OffersAShare:
     async def prefill(self, batch: Any, sm_share: float = 1.0) -> Any:
         import dataclasses
 
-        def share() -> tuple[dict[str, Any], Callable[[bool], None]]:
-            return {"gpu": "GPU-elsewhere", "handle": None}, self.answers.append
+        def share() -> tuple[dict[str, Any], Callable[[bool, bool], None]]:
+            return {"gpu": "GPU-elsewhere", "handle": None}, lambda taken, mapped=False: self.answers.append(
+                (taken, mapped))
 
         outs = await self.inner.prefill(batch, sm_share)
         return [dataclasses.replace(o, share_kv=share) for o in outs]
@@ -275,10 +276,33 @@ def test_a_refused_same_gpu_share_falls_back_to_host_bytes_and_loses_nothing(lla
     outs, epd = asyncio.run(main())
     for i, out in enumerate(outs):
         assert out["tokens"] == reference(i)
-    assert sharing.answers == [False]  # refused once; the second request was not offered one
+    assert sharing.answers == [(False, False)]  # refused once, never mapped; the second was not offered one
     assert epd.remote._ipc_refused == {7} and epd.remote._ipc_outstanding == 0
     assert epd.decode_engine.stats["ipc_opened"] == 0
     assert epd.decode_engine.stats["admits"] == 2
+
+
+@pytest.mark.parametrize("stage_buffers", [0, 2], ids=["at-admission", "at-staging"])
+def test_a_share_that_passes_the_check_but_fails_to_open_falls_back_to_host_bytes(
+        llava: Path, engines: dict[str, Any], reference: Any, stage_buffers: int) -> None:
+    """Decode accepts the share (its check passes) but cannot open it later, when it stages the
+    cache or, with no staging buffer, at admission: the refusal still reaches the prefill worker
+    before any token, the host copy follows, and nothing is lost. (On the CPU the open fails
+    before anything is mapped, so the producer returns the IPC count itself.)"""
+    sharing = OffersAShare(engines["prefill"])
+
+    async def main() -> tuple[list[dict[str, Any]], EPD]:
+        epd = EPD(llava, {**engines, "prefill": sharing}, 1.0, slots=4, stage_buffers=stage_buffers)
+        epd.decode_engine.check_kv_share = lambda desc: None  # type: ignore[method-assign]
+        async with epd:
+            return [await epd.ask(request(i)[0]) for i in (0, 1)], epd
+
+    outs, epd = asyncio.run(main())
+    for i, out in enumerate(outs):
+        assert out["tokens"] == reference(i)
+    assert sharing.answers == [(False, False)]
+    assert epd.remote._ipc_refused == {7} and epd.remote._ipc_outstanding == 0
+    assert epd.decode_engine.stats["ipc_opened"] == 0 and epd.decode_engine.stats["admits"] == 2
 
 
 @pytest.mark.parametrize("stage_buffers", [0, 1])

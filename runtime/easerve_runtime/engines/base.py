@@ -156,7 +156,7 @@ class PrefillOutput:
     kv_local: Any = None
     """The cache as the engine holds it (a torch tensor, on the device): what a decode engine in
     the SAME process (the aggregated worker) loads into its slot without any host copy."""
-    share_kv: Callable[[], tuple[dict[str, Any], Callable[[bool], None]]] | None = None
+    share_kv: Callable[[], tuple[dict[str, Any], Callable[[bool, bool], None]]] | None = None
     """A real engine on CUDA may offer this beside ``pack_kv``: it returns a descriptor that a decode
     process on the SAME GPU maps (``engines.kv_ipc``; blocking, called in a thread) and what to call
     with that decode's answer (True: copied; False: refused, the host path follows). Why: the host

@@ -1163,6 +1163,43 @@ def _new_decode_stats() -> dict[str, Any]:
             "captures": 0, "capture_s": 0.0, "ipc_opened": 0, "ipc_open_s": 0.0, "kv_len": {}, "batch_bucket": {}}
 
 
+def host_kv_to_device(data: Any, meta: Mapping[str, Any], *, dtype: Any, device: Any, stream: Any,
+                      lock: Any, pinned: bool = True, dst: Any | None = None, free_after: Any = None) -> Any:
+    """Host bytes of a cache (``pack_kv``'s) -> a device tensor, in ``dst``'s memory when given.
+
+    Why a module function: the decode engine's staging and admission use it, and so does
+    ``benchmarks/kv_handoff.py``, which times the host path against CUDA IPC with this very code.
+    On CUDA the bytes go through a pinned host tensor and ``stream`` (after ``free_after``, the
+    event of the last copy that read ``dst``); every CUDA call is made under ``lock`` (the engine's
+    capture lock: nothing beside a graph capture). Blocking: call it in a thread.
+    """
+    import torch
+
+    kv = unpack_kv(data, meta)
+    if kv.dtype != dtype:
+        kv = kv.to(dtype)
+    out = dst[: kv.numel()].view(kv.shape) if dst is not None else None
+    if stream is None:  # no CUDA
+        if out is None:
+            return kv.to(device)
+        out.copy_(kv)
+        return out
+    if pinned:
+        with lock:  # pinning memory is not allowed while a graph is being captured
+            pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
+        pin.copy_(kv)  # a host copy (torch's threads): no CUDA call, no lock
+        kv = pin
+    with lock:
+        with torch.cuda.stream(stream):
+            if free_after is not None:
+                stream.wait_event(free_after)  # its last slot copy has read it
+            if out is None:
+                out = torch.empty(kv.shape, dtype=kv.dtype, device=device)
+            out.copy_(kv, non_blocking=True)
+        stream.synchronize()
+    return out
+
+
 class HFDecodeEngine(_Stage):
     """:class:`SlotDecodeEngine`: continuous batching over KV slots, resuming from handed-over caches.
 
@@ -1353,32 +1390,9 @@ class HFDecodeEngine(_Stage):
     def _to_device(self, data: Any, meta: Mapping[str, Any], dst: Any | None, free_after: Any) -> Any:
         """Host bytes of a cache -> a device tensor (``dst``'s memory when given), on the side stream;
         returns once the copy is complete (blocking: call it in a thread)."""
-        import torch
-
-        kv = unpack_kv(data, meta)
-        if kv.dtype != self.loaded.dtype:
-            kv = kv.to(self.loaded.dtype)
-        out = dst[: kv.numel()].view(kv.shape) if dst is not None else None
-        if not self._cuda:
-            if out is None:
-                return kv.to(self.device)
-            out.copy_(kv)
-            return out
-        assert self._copy_stream is not None
-        if self.pinned:
-            with self._capture_lock:  # pinning memory is not allowed while a graph is being captured
-                pin = torch.empty(kv.shape, dtype=kv.dtype, pin_memory=True)
-            pin.copy_(kv)  # a host copy (torch's threads): no CUDA call, no lock
-            kv = pin
-        with self._capture_lock:
-            with torch.cuda.stream(self._copy_stream):
-                if free_after is not None:
-                    self._copy_stream.wait_event(free_after)  # its last slot copy has read it
-                if out is None:
-                    out = torch.empty(kv.shape, dtype=kv.dtype, device=self.device)
-                out.copy_(kv, non_blocking=True)
-            self._copy_stream.synchronize()
-        return out
+        return host_kv_to_device(data, meta, dtype=self.loaded.dtype, device=self.device,
+                                 stream=self._copy_stream, lock=self._capture_lock, pinned=self.pinned,
+                                 dst=dst, free_after=free_after)
 
     def _stage_sync(self, data: Any, meta: Mapping[str, Any], buf: Any, free_after: Any) -> Any:
         import time
@@ -1411,8 +1425,8 @@ class HFDecodeEngine(_Stage):
                 task, buf = staged
                 try:
                     kv = await task
-                except kv_ipc.KVIPCRefused:  # a share no longer mappable: tried once more below
-                    pass
+                except kv_ipc.KVIPCRefused:  # not opened again (it may have been mapped once): host bytes follow
+                    raise
                 except Exception as exc:  # noqa: BLE001 - load it the other way; stage no more
                     log.warning("decode: staging a KV cache failed (%r); loading caches at admission", exc)
                     self._staging_failed = True

@@ -33,7 +33,14 @@ ENV = "EASERVE_KV_IPC"
 
 
 class KVIPCRefused(Exception):
-    """This process cannot map that descriptor (another GPU, no CUDA, or the driver refused)."""
+    """This process cannot map that descriptor (another GPU, no CUDA, or the driver refused).
+
+    ``mapped``: the share was mapped before the failure, so closing the mapping has already
+    returned the producer its IPC count (the producer must not return it again)."""
+
+    def __init__(self, message: str, *, mapped: bool = False) -> None:
+        super().__init__(message)
+        self.mapped = mapped
 
 
 DEFAULT = "0"
@@ -67,7 +74,7 @@ def export(kv: Any) -> dict[str, Any]:
     and has made sure the kernels that wrote it are done (the handle's event is recorded on the
     calling thread's current stream)."""
     storage = kv.untyped_storage()
-    device, handle, size, offset, ref, ref_offset, event, event_sync = storage._share_cuda_()
+    _device, handle, size, offset, ref, ref_offset, event, event_sync = storage._share_cuda_()
     return {
         "gpu": gpu_uuid(kv.device),
         "handle": _b64(handle),
@@ -81,7 +88,6 @@ def export(kv: Any) -> dict[str, Any]:
         "stride": [int(x) for x in kv.stride()],
         "storage_offset": int(kv.storage_offset()),
         "dtype": str(kv.dtype).removeprefix("torch."),
-        "producer_device": int(device),
     }
 
 
@@ -106,12 +112,14 @@ def open_shared(desc: Mapping[str, Any], device: Any, dst: Any = None, after: An
     CUDA event ``after``), made on a side stream and finished before this returns; the mapping is
     closed again, which returns the producer its block.
 
-    Raises :class:`KVIPCRefused` if ``device`` is not the producer's GPU or the driver refuses."""
+    Raises :class:`KVIPCRefused` if ``device`` is not the producer's GPU or the driver refuses; its
+    ``mapped`` says whether the mapping was opened (and, closed again, returned the producer's count)."""
     import torch
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     check(desc, device)
     dev = torch.device(device)
+    shared = None
     try:
         dtype = getattr(torch, str(desc["dtype"]))
         stream = torch.cuda.Stream(device=dev)
@@ -131,13 +139,16 @@ def open_shared(desc: Mapping[str, Any], device: Any, dst: Any = None, after: An
                 local.copy_(shared)
         stream.synchronize()  # the copy has read the producer's block: the mapping may close
     except (KeyError, TypeError, ValueError, RuntimeError) as exc:
-        raise KVIPCRefused(f"could not map the cache: {exc}") from exc
+        mapped = shared is not None
+        del shared  # closing a mapping returns the producer's count (torch's IPC deleter)
+        raise KVIPCRefused(f"could not map the cache: {exc}", mapped=mapped) from exc
     del shared
     return local
 
 
 def release_refused(desc: Mapping[str, Any]) -> None:
-    """Return the count a refused descriptor held, so the producer's block is not kept forever."""
+    """Return the count a refused descriptor held, so the producer's block is not kept forever
+    (only for a descriptor never mapped: closing a mapping returns it already)."""
     import torch
 
     ref = _unb64(desc.get("ref"))
@@ -145,16 +156,16 @@ def release_refused(desc: Mapping[str, Any]) -> None:
         torch.UntypedStorage._release_ipc_counter(ref, int(desc["ref_offset"]))
 
 
-def deferred_share(held: list[Any], ready: Any) -> Callable[[], tuple[dict[str, Any], Callable[[bool], None]]]:
+def deferred_share(held: list[Any], ready: Any) -> Callable[[], tuple[dict[str, Any], Callable[[bool, bool], None]]]:
     """``PrefillOutput.share_kv`` over the device tensor in ``held`` (one item, written on the
     stream that recorded ``ready``), the same holder the host path (``hf.deferred_pack``) pops.
 
     ``share()`` returns ``(descriptor, answered)``; the worker calls ``answered(True)`` once decode
     has copied the cache (the tensor is dropped then, not when the request's decode ends) or
-    ``answered(False)`` if decode refused it (its IPC count is returned and the tensor kept for
-    the host copy)."""
+    ``answered(False, mapped)`` if decode refused it: the tensor is kept for the host copy, and its
+    IPC count is returned here unless decode had mapped it (closing the mapping returned it)."""
 
-    def share() -> tuple[dict[str, Any], Callable[[bool], None]]:
+    def share() -> tuple[dict[str, Any], Callable[[bool, bool], None]]:
         import torch
 
         if not held:
@@ -164,10 +175,10 @@ def deferred_share(held: list[Any], ready: Any) -> Callable[[], tuple[dict[str, 
         with torch.cuda.device(held[0].device):
             desc = export(held[0])
 
-        def answered(taken: bool) -> None:
+        def answered(taken: bool, mapped: bool = False) -> None:
             if taken:
                 held.clear()
-            else:
+            elif not mapped:
                 release_refused(desc)
 
         return desc, answered

@@ -183,7 +183,7 @@ class DecodeWorker:
                     raise
                 except KVIPCRefused as exc:  # the driver would not map it: the prefill sends host bytes
                     getattr(self.engine, "discard", lambda _rid: None)(rid)
-                    yield {"error": f"decode: {exc}", "kv_ipc_refused": True}
+                    yield {"error": f"decode: {exc}", "kv_ipc_refused": True, "kv_ipc_mapped": exc.mapped}
                     return
                 except Exception:  # noqa: BLE001 - reported by admit, which awaits the same task
                     pass
@@ -205,6 +205,9 @@ class DecodeWorker:
                 if isinstance(item, Exception):
                     ok = False
                     finished = True
+                    if isinstance(item, KVIPCRefused):  # at admission, before any token: host bytes follow
+                        yield {"error": f"decode: {item}", "kv_ipc_refused": True, "kv_ipc_mapped": item.mapped}
+                        return
                     yield {"error": f"decode failed: {item}"}
                     break
                 yield {"token": item}

@@ -260,7 +260,7 @@ class PrefillWorker:
         got = 0
         finish = None
         blob: str | None = None
-        answered: Callable[[bool], None] | None = None  # the IPC share's: decode took it, or refused it
+        answered: Callable[[bool, bool], None] | None = None  # the IPC share's: decode took it, or refused it
         try:
             instance = None
             if out.has_kv():  # a real engine: move the KV cache to one decode instance first
@@ -277,7 +277,7 @@ class PrefillWorker:
                 async for item in self.decode.stream(req, instance=instance):
                     if answered is not None:  # decode's first answer: it copied the cache, or refused it
                         refused = bool(item.get("kv_ipc_refused"))
-                        answered(not refused)
+                        answered(not refused, bool(item.get("kv_ipc_mapped")))
                         answered = None
                         self._ipc_outstanding -= 1
                     if refused or item.get("kv_taken"):
@@ -313,7 +313,7 @@ class PrefillWorker:
             if answered is not None:  # no answer came (decode died or the client left): its tensor goes
                 self._ipc_outstanding -= 1  # with ``out``; the IPC count it may still hold is not known
 
-    async def _share_kv(self, out: PrefillOutput, instance: int, req: dict[str, Any]) -> Callable[[bool], None] | None:
+    async def _share_kv(self, out: PrefillOutput, instance: int, req: dict[str, Any]) -> Callable[[bool, bool], None] | None:
         """Offer decode ``instance`` the cache by CUDA IPC (``engines.kv_ipc``) where the engine can;
         returns what to call with decode's answer, or None (the host path is to be taken)."""
         if (out.share_kv is None or self._ipc_off or instance in self._ipc_refused
