@@ -96,15 +96,16 @@ class System:
     """``easerve:`` points: ``spec.encode.preprocessing`` when it is not the base's (``:cpu``)."""
     mps: int | None = None
     """``+mpsNN``: under MPS, the encode and prefill processes' SM cap in percent."""
-    kv_ipc: bool = False
-    """``+kvipc``: the KV handoff between processes on one GPU by CUDA IPC (``EASERVE_KV_IPC=1``,
-    ``engines.kv_ipc``) instead of through host memory: the A/B of that path."""
+    kv_ipc: bool | None = None
+    """The KV handoff between processes on one GPU (``engines.kv_ipc``): None, the runtime's default
+    (CUDA IPC since run 28); ``+kvipc`` True (``EASERVE_KV_IPC=1``, as run 28 named it); ``+hostkv``
+    False (``EASERVE_KV_IPC=0``: through host memory, as every run before 28 served it)."""
 
     @property
     def name(self) -> str:
         """The one spelling of this system (``parse(s.name) == s``)."""
         return (self._name + (f"+mps{self.mps}" if self.mps is not None else "")
-                + ("+kvipc" if self.kv_ipc else ""))
+                + {None: "", True: "+kvipc", False: "+hostkv"}[self.kv_ipc])
 
     @property
     def _name(self) -> str:
@@ -122,8 +123,8 @@ class System:
         env = dict(SYSTEMS[self.base]["env"])
         if self.mps is not None:
             env[MPS_SHARES_ENV] = ",".join(f"{st}={self.mps}" for st in MPS_CAPPED)
-        if self.kv_ipc:
-            env[KV_IPC_ENV] = "1"
+        if self.kv_ipc is not None:
+            env[KV_IPC_ENV] = "1" if self.kv_ipc else "0"
         return env
 
     @property
@@ -192,16 +193,16 @@ def parse(system: str) -> System:
         inner = parse(head)
         if inner.base not in POINT_SYSTEMS:
             raise _refuse(system, f"{inner.base} runs one process per GPU: +{tail} has nothing to change")
-        if tail == "kvipc":
-            if inner.kv_ipc:
-                raise _refuse(system, "+kvipc is named twice")
-            return replace(inner, kv_ipc=True)
+        if tail in ("kvipc", "hostkv"):
+            if inner.kv_ipc is not None:
+                raise _refuse(system, "the KV path (+kvipc or +hostkv) is named twice")
+            return replace(inner, kv_ipc=tail == "kvipc")
         m = re.fullmatch(r"mps(\d+)", tail)
         if m is None or not 1 <= int(m.group(1)) <= 100 or str(int(m.group(1))) != m.group(1):
             raise _refuse(system, f"{tail!r}: a part after + is mpsNN, NN the encode and prefill SM cap in "
-                                  "percent (1-100), or kvipc")
-        if inner.mps is not None or inner.kv_ipc:
-            raise _refuse(system, "+mpsNN comes once, before +kvipc")
+                                  "percent (1-100), kvipc or hostkv")
+        if inner.mps is not None or inner.kv_ipc is not None:
+            raise _refuse(system, "+mpsNN comes once, before +kvipc or +hostkv")
         return replace(inner, mps=int(m.group(1)))
     base, at, tokens = system.partition("@")
     base, colon, rest = base.partition(":")

@@ -145,10 +145,10 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
 
     try:
         caps = None if mps is None else ta.mps_caps_of(f"easerve+mps{mps}")
-        # door open (frontends=0), as twin_agreement.twin_point predicts the GPU runs and as the MPS
-        # twin was fitted to them (runs 14-16); in runs 14-17 the one frontend refused requests past
-        # saturation (8.5 req/s) and, at the planned 5.5 and 7, only 4 of 300 once (a 50 % cap)
-        runner = SimRunner(host_gpus=HOST_GPUS, mps_caps=caps, frontends=0)
+        # through the one frontend's door (sim.frontdoor), as easerve serve deploys a plan and as
+        # twin_agreement.twin_point predicts the GPU runs: past saturation the frontend refuses
+        # requests (run 28: up to 45 of 300 at 10 req/s) and the admitted ones keep their tail
+        runner = SimRunner(host_gpus=HOST_GPUS, mps_caps=caps, frontends=1)
         result = tune(spec, runner=runner, profiler=profiler, space=space, rate=rate,
                       objective=f"goodput@{TIER}", rules=StopRules(budget=trials), seed=seed,
                       workload_seed=ta.BENCH_SEED, requests=requests, on_trial=on_trial)

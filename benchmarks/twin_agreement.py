@@ -240,55 +240,71 @@ def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
     return {"decode_row_ms": round(max(0.0, slope), 4), "points": rows}
 
 
-def kv_handoff_ms(run_globs: str) -> dict[str, Any]:
+def kv_handoff_ms(run_globs: str, max_rate: float | None = None) -> dict[str, Any]:
     """The served KV handoff per request, from the counters of the runs that carry both sides (run
     27 on): the prefill's (the cache copied to the host and put where its decode worker takes it,
     ``prefill["kv-handoff"]``) plus the decode's (taken, staged to the device, admitted:
     ``decode_loop.handoff_ms``) less half an engine step (the wait for the step boundary, which
     the twin's decode worker already has). The twin charges a KV transfer the link's
     ``kv_setup_ms`` plus its bytes at the link's bandwidth (1.2 ms for LLaVA-NeXT 7B's 2,500
-    tokens on the profile's link); this is what that setup is on the served path."""
+    tokens on the profile's link); this is what that setup is on the served path.
+
+    Each path has its own figure: ``kv_handoff_ms`` the host path's (``kv_setup_ms``),
+    ``kv_ipc_handoff_ms`` CUDA IPC's (``kv_ipc_setup_ms``; points whose decode opened shares,
+    ``used_kv_ipc``). ``max_rate``: only points at or below this rate. The decode's counter runs
+    until admission, so near saturation it takes in the admission queue, which the twin's decode
+    worker has already; the calibration wants points below saturation."""
     rows = []
     for f in run_files(run_globs):
         run = json.loads(Path(f).read_text())
         for system, p in disaggregated_loop_points(run):
             pre = ((p.get("prefill") or {}).get("kv-handoff") or {}).get("ms_mean")
             dec = p["decode_loop"].get("handoff_ms")
-            if pre is None or dec is None:
+            if pre is None or dec is None or (max_rate is not None and float(p["rate"]) > max_rate):
                 continue
             ms = float(pre) + float(dec) - float(p["decode_loop"]["engine_step_ms"]) / 2
             rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "prefill_ms": pre,
-                         "decode_ms": dec, "kv_handoff_ms": round(ms, 2)})
-    mean = round(sum(r["kv_handoff_ms"] for r in rows) / len(rows), 1) if rows else None
-    return {"kv_handoff_ms": mean, "points": rows}
+                         "decode_ms": dec, "kv_handoff_ms": round(ms, 2),
+                         "path": "kv_ipc" if used_kv_ipc(p) else "host"})
+
+    def mean(path: str) -> float | None:
+        ms = [r["kv_handoff_ms"] for r in rows if r["path"] == path]
+        return round(sum(ms) / len(ms), 1) if ms else None
+
+    return {"kv_handoff_ms": mean("host"), "kv_ipc_handoff_ms": mean("kv_ipc"), "points": rows}
 
 
-def write_kv_setup(profile: Path, ms: float) -> None:
-    """``links.<the profile's link>.kv_setup_ms`` of a profile file: the shipped link (or the file's
-    own entry) with the KV handoff's setup set to ``ms``."""
+def write_kv_setup(profile: Path, ms: float, key: str = "kv_setup_ms") -> None:
+    """``links.<the profile's link>.<key>`` of a profile file (``kv_setup_ms`` or
+    ``kv_ipc_setup_ms``): the shipped link (or the file's own entry) with that setup set to ``ms``."""
     from easerve_runtime.profiles.hardware import load_json
 
     doc = json.loads(profile.read_text())
     gpu_name = str(doc["profile"]).split("@", 1)[1]
     link = ({**load_json("gpus.json"), **(doc.get("gpus") or {})})[gpu_name]["link"]
     base = (doc.get("links") or {}).get(link) or {k: v for k, v in load_json("links.json")[link].items()}
-    doc.setdefault("links", {})[link] = {**base, "kv_setup_ms": ms}
+    doc.setdefault("links", {})[link] = {**base, key: ms}
     profile.write_text(json.dumps(doc, indent=1) + "\n")
 
 
-def calibrate_kv(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False) -> dict[str, Any]:
-    """``links.<link>.kv_setup_ms`` from the runs' KV handoff counters (``kv_handoff_ms``); with
-    ``write``, into both profile files."""
-    kv = kv_handoff_ms(run_globs)
-    if kv["kv_handoff_ms"] is None:
+def calibrate_kv(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False,
+                 max_rate: float | None = None) -> dict[str, Any]:
+    """``links.<link>.kv_setup_ms`` (the host path) and ``kv_ipc_setup_ms`` (CUDA IPC) from the runs'
+    KV handoff counters (``kv_handoff_ms``), each where the runs served that path; with ``write``,
+    into both profile files."""
+    kv = kv_handoff_ms(run_globs, max_rate)
+    if kv["kv_handoff_ms"] is None and kv["kv_ipc_handoff_ms"] is None:
         raise SystemExit(f"--calibrate-kv: no point with both sides of the KV handoff counted in {run_globs}")
     out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-kv",
-                           "measured": "gpu (the prefill's and the decode's handoff counters)", **kv}
+                           "measured": "gpu (the prefill's and the decode's handoff counters)", "max_rate": max_rate,
+                           **kv}
     if write:
         out["written"] = []
         for f in (profile, cpu_pre):
             if f is not None and f.exists():
-                write_kv_setup(f, kv["kv_handoff_ms"])
+                for key, ms in (("kv_setup_ms", kv["kv_handoff_ms"]), ("kv_ipc_setup_ms", kv["kv_ipc_handoff_ms"])):
+                    if ms is not None:
+                        write_kv_setup(f, ms, key)
                 out["written"].append(str(f))
     return out
 
@@ -434,12 +450,25 @@ def mps_caps_of(system: str) -> dict[str, float] | None:
     return None if s.mps is None else {stage: s.mps / 100.0 for stage in MPS_CAPPED}
 
 
+def used_kv_ipc(point: dict[str, Any]) -> bool:
+    """Whether a served point handed its KV caches over by CUDA IPC: its decode opened shares
+    (``decode_loop.ipc_opened``). Runs before the IPC path (run 27 and earlier) carry no such
+    counter and took the host path."""
+    return bool((point.get("decode_loop") or {}).get("ipc_opened"))
+
+
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
-               mps_caps: dict[str, float] | None = None, model: Any = None) -> dict[str, Any]:
+               mps_caps: dict[str, float] | None = None, model: Any = None, kv_ipc: bool = True,
+               frontends: int = 1) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
     ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced). ``model``: the spec's stage
-    model, given (``--mps-fit`` passes one carrying a grid point's MPS constants); None: built."""
+    model, given (``--mps-fit`` passes one carrying a grid point's MPS constants); None: built.
+    ``kv_ipc``: the KV handoffs between processes on one GPU go by CUDA IPC (the runtime's
+    default), else by the host. ``frontends``: the door (``sim.frontdoor``): ``easerve serve`` runs
+    one frontend, which refuses requests (429) once its admission queue is full. Run 28 served past
+    saturation: with the door open the twin queued every request and read P99 TTFT 1.3-3.5x the
+    GPU's there; through the door it refuses about as many as the GPU's frontend did."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
@@ -450,7 +479,8 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
         return simulate_system(spec, reqs, "aggregated", layout=layout).summary
     # the run's own host: its processes time-slice the GPUs they share (sim.timeslice), or run
     # side by side under MPS with SM caps (sim.mpsshare)
-    return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps).summary
+    return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps,
+                           kv_ipc=kv_ipc, frontends=frontends).summary
 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run") -> dict[str, Any]:
@@ -478,7 +508,7 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
         rows = []
         for p in pts:
-            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model)
+            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model, used_kv_ipc(p))
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
@@ -672,7 +702,10 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
         model.mps_constants = dict(zip(_FIT["keys"], values, strict=True))
         if _FIT["host_loop"] == "run" and p.get("loop_row_ms") is not None:
             model.decode_row_overhead_s = p["loop_row_ms"] / 1e3
-        res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model)
+        # door open, as the constants were fitted (runs 14-27, up to 7 req/s: below saturation, where
+        # the frontend refused at most a few requests)
+        res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model, used_kv_ipc(p),
+                         frontends=0)
         meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
                 "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
         twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
@@ -889,9 +922,13 @@ def main() -> int:
                         "engine.decode_loop_row_ms (the host's per-row loop time) from the decode counters of RUNS "
                         "(globs); with --write-profile, written into --profile and --profile-cpu-preprocess")
     p.add_argument("--calibrate-kv", default=None, metavar="RUNS",
-                   help="links.<link>.kv_setup_ms: the served KV handoff per request (prefill's copy out plus decode's "
-                        "take and stage, less half a step) from the counters of RUNS (globs, run 27 on); with "
-                        "--write-profile, written into --profile and --profile-cpu-preprocess")
+                   help="links.<link>.kv_setup_ms (host path) and kv_ipc_setup_ms (CUDA IPC, run 28 on): the served "
+                        "KV handoff per request (prefill's side plus decode's take and stage, less half a step) from "
+                        "the counters of RUNS (globs, run 27 on); with --write-profile, written into --profile and "
+                        "--profile-cpu-preprocess")
+    p.add_argument("--kv-max-rate", type=float, default=None,
+                   help="with --calibrate-kv: only points at or below this rate (below saturation: the decode's "
+                        "counter takes in its admission queue)")
     p.add_argument("--host-loop", default="run", choices=["run", "profile"],
                    help="the decode loop's host time per row the twin charges for a run: the run's own host's, read "
                         "off its loop counters (run), or the profile's decode_loop_row_ms (profile)")
@@ -902,7 +939,7 @@ def main() -> int:
     args = p.parse_args()
     if args.calibrate_kv:
         print(json.dumps(calibrate_kv(args.calibrate_kv, Path(args.profile), Path(args.profile_cpu_preprocess),
-                                      args.write_profile), indent=1))
+                                      args.write_profile, args.kv_max_rate), indent=1))
         return 0
     if args.calibrate_loop:
         print(json.dumps(calibrate_loop(args.calibrate_loop, Path(args.profile), Path(args.profile_cpu_preprocess),

@@ -355,8 +355,15 @@ def test_a_fabric_sets_the_setup_of_each_transfer_path(tmp_path: Path) -> None:
     assert slow.transfer_s(0, path="embedding") == pytest.approx(0.25)
     assert slow.transfer_s(0, transfers=4, path="embedding") == pytest.approx(1.0)
     assert slow.transfer_s(0, path="kv") == pytest.approx(base)  # the KV path keeps the link's own
-    with pytest.raises(ValueError, match="'embedding' or 'kv'"):
+    assert slow.transfer_s(0, path="kv_ipc") == pytest.approx(base)  # same-GPU handoffs: the KV path's, unless set
+    with pytest.raises(ValueError, match="'embedding', 'kv' or 'kv_ipc'"):
         slow.transfer_s(1, path="rdma")
+    doc = json.loads(_fabric_file(tmp_path, 1.0).read_text())
+    doc["links"]["nvlink"].update(kv_setup_ms=150.0, kv_ipc_setup_ms=6.0)
+    ipc = load_profile_file(_write(tmp_path, doc, name="ipc.json"))
+    assert ipc.transfer_s(0, path="kv") == pytest.approx(0.150) and ipc.transfer_s(0, path="kv_ipc") == pytest.approx(0.006)
+    nbytes = ipc.kv_bytes(2500)  # a device-to-device copy: its bytes read and written in HBM, not sent on the link
+    assert ipc.transfer_s(nbytes, path="kv_ipc") - 0.006 == pytest.approx(2 * nbytes / ipc.hw.hbm_bytes_per_s)
     bad = json.loads(_fabric_file(tmp_path, 1.0).read_text())
     bad["links"]["nvlink"]["kv_setup_ms"] = -1
     with pytest.raises(ProfileFileError, match=r"links\.nvlink\.kv_setup_ms"):

@@ -30,7 +30,8 @@ def spec_of(system: str) -> dict:
     "easerve:e1p1d1:b4:s0.5", "easerve:e2p0d1:b16:s0", "easerve:e1p1d1:b1:s1", "easerve:e2p1tp2d1tp4:b8:s0.3",
     "dynamo-style:e1p2d1", "dynamo-style:e1p1d2tp2",
     "easerve:e1p0d1:b6:s0+mps70", "easerve:e1p0d1:b6:s0:cpu+mps50", "dynamo-style:e1p1d1+mps100", "easerve+mps60",
-    "easerve:e1p0d1:b1:s0+mps85+kvipc", "dynamo-style:e1p1d1+kvipc",
+    "easerve:e1p0d1:b1:s0+mps85+kvipc", "dynamo-style:e1p1d1+kvipc", "easerve:e1p0d1:b1:s0+mps85+hostkv",
+    "dynamo-style:e1p1d1+hostkv",
 ])
 def test_a_name_parses_to_the_system_whose_name_it_is(name: str) -> None:
     assert parse(name).name == name
@@ -69,10 +70,13 @@ def test_a_point_of_has_space_round_trips_through_its_name() -> None:
     ("easerve:e1p0d1:b6:s0+mps", "'mps'", "mpsNN"),
     ("aggregated@4096+mps50", "aggregated", "+mps50 has nothing to change"),
     ("aggregated@4096+kvipc", "aggregated", "+kvipc has nothing to change"),
-    ("dynamo-style:e1p1d1+kvipc+mps50", "+mpsNN comes once, before +kvipc", "before +kvipc"),
+    ("aggregated@4096+hostkv", "aggregated", "+hostkv has nothing to change"),
+    ("dynamo-style:e1p1d1+kvipc+mps50", "+mpsNN comes once, before +kvipc or +hostkv", "before +kvipc"),
+    ("dynamo-style:e1p1d1+hostkv+mps50", "+mpsNN comes once, before +kvipc or +hostkv", "before +kvipc"),
     ("dynamo-style:e1p1d1+mps50+mps70", "+mpsNN comes once", "before +kvipc"),
-    ("dynamo-style:e1p1d1+kvipc+kvipc", "+kvipc is named twice", "twice"),
-    ("dynamo-style:e1p1d1+ipc", "'ipc'", "or kvipc"),
+    ("dynamo-style:e1p1d1+kvipc+kvipc", "the KV path (+kvipc or +hostkv) is named twice", "twice"),
+    ("dynamo-style:e1p1d1+kvipc+hostkv", "the KV path (+kvipc or +hostkv) is named twice", "twice"),
+    ("dynamo-style:e1p1d1+ipc", "'ipc'", "kvipc or hostkv"),
 ])
 def test_a_bad_name_is_refused_naming_the_part_that_is_wrong(name: str, part: str, why: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -155,13 +159,15 @@ def test_an_mps_system_caps_encode_and_prefill_and_leaves_decode_free() -> None:
     assert sys_.slug == "dynamo-style-e1p1d1-mps50"
 
 
-def test_a_kvipc_system_turns_the_same_gpu_kv_share_on_and_changes_nothing_else() -> None:
-    """``+kvipc``: the A/B of ``engines.kv_ipc``: the same spec and caps, the handoff by CUDA IPC."""
-    from easerve_runtime.engines.kv_ipc import ENV
+def test_the_kv_path_suffixes_set_the_same_gpu_kv_share_and_change_nothing_else() -> None:
+    """The A/B of ``engines.kv_ipc``: ``+hostkv`` turns the default CUDA IPC handoff off, ``+kvipc``
+    names it on (run 28's names); the same spec and caps either way."""
+    from easerve_runtime.engines.kv_ipc import DEFAULT, ENV
 
-    sys_ = parse("easerve:e1p0d1:b1:s0+mps85+kvipc")
+    on, off = parse("easerve:e1p0d1:b1:s0+mps85+kvipc"), parse("easerve:e1p0d1:b1:s0+mps85+hostkv")
     plain = parse("easerve:e1p0d1:b1:s0+mps85")
-    assert sys_.kv_ipc and not plain.kv_ipc and sys_.mps == 85
-    assert spec_of(sys_.name) == spec_of(plain.name)
-    assert sys_.env == {**plain.env, ENV: "1"} and ENV not in plain.env
-    assert sys_.slug == "easerve-e1p0d1-b1-s0-mps85-kvipc"
+    assert (on.kv_ipc, off.kv_ipc, plain.kv_ipc) == (True, False, None) and on.mps == off.mps == 85
+    assert spec_of(on.name) == spec_of(off.name) == spec_of(plain.name)
+    assert on.env == {**plain.env, ENV: "1"} and off.env == {**plain.env, ENV: "0"} and ENV not in plain.env
+    assert DEFAULT == "1"  # the plain name serves the IPC path
+    assert (on.slug, off.slug) == ("easerve-e1p0d1-b1-s0-mps85-kvipc", "easerve-e1p0d1-b1-s0-mps85-hostkv")

@@ -363,6 +363,30 @@ def test_the_kv_handoff_is_read_off_both_sides_counters_and_becomes_the_links_kv
     assert after.transfer_s(10_000, path="embedding") == pytest.approx(before.transfer_s(10_000, path="embedding"))
 
 
+def test_each_kv_path_is_calibrated_from_the_points_that_served_it(tmp_path: Path) -> None:
+    """Run 28 served the same layouts with the KV handoff by CUDA IPC (``+kvipc``: decode opened
+    shares) and through the host: each path's mean below saturation (``max_rate``) becomes its own
+    setup in the profile's link, ``kv_ipc_setup_ms`` and ``kv_setup_ms``."""
+    import twin_agreement as ta
+    from easerve_runtime.profiles.source import load_profile_file
+
+    results = REPO / "benchmarks" / "results"
+    name = str(results / "gpu_serve_h100_run28_300req.json")
+    kv = ta.kv_handoff_ms(name, max_rate=7.0)
+    by = {p: [r["kv_handoff_ms"] for r in kv["points"] if r["path"] == p] for p in ("host", "kv_ipc")}
+    assert all(r["rate"] <= 7.0 for r in kv["points"]) and by["host"] and by["kv_ipc"]
+    assert all(("+kvipc" in r["system"]) == (r["path"] == "kv_ipc") for r in kv["points"])
+    assert kv["kv_ipc_handoff_ms"] == pytest.approx(sum(by["kv_ipc"]) / len(by["kv_ipc"]), abs=0.05)
+    assert kv["kv_handoff_ms"] == pytest.approx(sum(by["host"]) / len(by["host"]), abs=0.05)
+    assert max(by["kv_ipc"]) < min(by["host"])
+    f = tmp_path / "p.json"
+    f.write_text((results / "engine_profile_h100_llava7b_run20.json").read_text())
+    ta.calibrate_kv(name, f, None, write=True, max_rate=7.0)
+    link = load_profile_file(f).hw.link
+    assert (link.kv_setup_s, link.kv_ipc_setup_s) == pytest.approx((kv["kv_handoff_ms"] / 1e3,
+                                                                   kv["kv_ipc_handoff_ms"] / 1e3))
+
+
 def test_the_aggregated_calibration_reads_the_loops_counters_and_the_twin_then_matches_them(tmp_path: Path) -> None:
     """``twin_agreement.py --calibrate-aggregated`` on run 22c (the aggregated loop served at 0.5
     req/s on an H100): the ratios are the loop's own encode and prefill seconds over the twin's for

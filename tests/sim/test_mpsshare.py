@@ -194,3 +194,36 @@ def test_the_per_row_charge_slows_a_capped_runs_decode_in_the_twin(llava_spec, t
                                              mps_caps=caps).summary["tpot"]["mean"]
     assert out[0.5, 2.0] > out[0.5, 0.0] and out[2.0, 2.0] > out[2.0, 0.0]
     assert out[2.0, 2.0] - out[2.0, 0.0] > out[0.5, 2.0] - out[0.5, 0.0]
+
+
+def test_a_kv_handoff_on_one_gpu_takes_the_ipc_path_unless_the_runtime_turns_it_off(llava_spec, toy_model) -> None:
+    """The runtime hands a cache to a decode process on the same GPU by CUDA IPC (``engines.kv_ipc``,
+    on by default): the twin charges those handoffs the profile's ``kv_ipc`` path, and the KV path
+    where the pods have GPUs of their own or the runtime's IPC is off (``EASERVE_KV_IPC=0``)."""
+    import copy
+
+    caps = {"encode": 0.85, "local-prefill": 0.85, "prefill": 0.85}
+    reqs = generate(llava_spec, 1.0, 40, seed=3)
+
+    def paths(host_gpus: int, **kw: object) -> tuple[list[str], float]:
+        model = copy.copy(toy_model)
+        model._transfer = {}
+        seen: list[str] = []
+        inner = model.transfer_s
+
+        def recording(nbytes: int, *, path: str = "embedding") -> float:
+            seen.append(path)
+            return inner(nbytes, path=path) + (0.0 if path == "kv_ipc" else 0.5 if path == "kv" else 0.0)
+
+        model.transfer_s = recording  # type: ignore[method-assign]
+        res = simulate_system(llava_spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=caps, **kw)
+        assert len(res.records) == len(reqs)
+        return [p for p in seen if p != "embedding"], res.summary["tpot"]["mean"]
+
+    one, tpot_ipc = paths(1)
+    off, tpot_host = paths(1, kv_ipc=False)
+    own, _ = paths(8)
+    assert one and set(one) == {"kv_ipc"}
+    assert off and set(off) == {"kv"} and len(off) == len(one)
+    assert own and set(own) == {"kv"}
+    assert tpot_host > tpot_ipc  # the host path's half second a handoff lengthens every decode

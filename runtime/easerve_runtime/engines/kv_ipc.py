@@ -16,9 +16,10 @@ closed. When decode refuses a descriptor (it never mapped it), the producer retu
 descriptor's count itself (``release_refused``, through ``deferred_share``'s answer), else its
 block would wait for a consumer forever.
 
-On with ``EASERVE_KV_IPC=1``; off by default until a GPU run has served through it (this path's
-test, ``tests/engines/test_kv_ipc_gpu.py``, needs CUDA). It is tried only where the engine is on
-CUDA, and the decode side refuses a descriptor from another GPU (``KVIPCRefused``), upon which the
+On by default since GPU run 28 (on one H100: a 335 MB handoff took 1.4 ms against the host
+path's 150 ms, and 5,700 requests were served through it); ``EASERVE_KV_IPC=0`` turns it off.
+This path's own test, ``tests/engines/test_kv_ipc_gpu.py``, needs CUDA. It is tried only where
+the engine is on CUDA, and the decode side refuses a descriptor from another GPU (``KVIPCRefused``), upon which the
 prefill worker sends that instance the host copy instead (``workers.prefill``).
 """
 
@@ -43,8 +44,9 @@ class KVIPCRefused(Exception):
         self.mapped = mapped
 
 
-DEFAULT = "0"
-"""Off until a GPU run has served through it (docs/engine.md, "KV handoff"); ``1`` turns it on."""
+DEFAULT = "1"
+"""On: GPU run 28 served 5,700 requests through it on one H100 (docs/benchmarks.md, run 28);
+``EASERVE_KV_IPC=0`` sends every cache through host memory instead."""
 
 
 def enabled() -> bool:

@@ -8,7 +8,7 @@ from functools import cache
 from importlib import resources
 from typing import Any, Literal
 
-TransferPath = Literal["embedding", "kv"]
+TransferPath = Literal["embedding", "kv", "kv_ipc"]
 """The two transfer paths with a setup cost of their own: envelopes of embeddings, KV handoffs."""
 
 BYTES_BF16 = 2
@@ -33,13 +33,18 @@ class Link:
     """Fixed cost of one embedding transfer (an envelope): ``transfer_setup_s`` unless the link sets it."""
     kv_setup_s: float
     """Fixed cost of one KV handoff: ``transfer_setup_s`` unless the link sets it."""
+    kv_ipc_setup_s: float
+    """Fixed cost of one KV handoff between two processes on one GPU (CUDA IPC, ``engines.kv_ipc``):
+    ``kv_setup_s`` unless the link sets it."""
 
     def setup_s(self, path: TransferPath) -> float:
         if path == "embedding":
             return self.embedding_setup_s
         if path == "kv":
             return self.kv_setup_s
-        raise ValueError(f"transfer path must be 'embedding' or 'kv', got {path!r}")
+        if path == "kv_ipc":
+            return self.kv_ipc_setup_s
+        raise ValueError(f"transfer path must be 'embedding', 'kv' or 'kv_ipc', got {path!r}")
 
     @property
     def bytes_per_s(self) -> float:
@@ -95,6 +100,7 @@ def gpu(name: str, gpus: dict[str, Any] | None = None, links: dict[str, Any] | N
         transfer_setup_s=float(lk["transfer_setup_ms"]) * 1e-3,
         embedding_setup_s=_ms_or(lk.get("embedding_setup_ms"), lk["transfer_setup_ms"]) * 1e-3,
         kv_setup_s=_ms_or(lk.get("kv_setup_ms"), lk["transfer_setup_ms"]) * 1e-3,
+        kv_ipc_setup_s=_ms_or(lk.get("kv_ipc_setup_ms"), _ms_or(lk.get("kv_setup_ms"), lk["transfer_setup_ms"])) * 1e-3,
     )
     return GPU(
         name=name,

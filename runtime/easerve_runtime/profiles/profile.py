@@ -258,12 +258,15 @@ class Profile:
     def transfer_s(self, nbytes: int, transfers: int = 1, *, path: TransferPath = "embedding") -> float:
         """``transfers`` point-to-point sends totalling ``nbytes`` over this GPU's link, on the
         embedding path (envelopes) or the KV path (handoffs): each path has its own setup cost,
-        because a fabric's per-transfer registration and metadata cost is what envelopes amortise."""
+        because a fabric's per-transfer registration and metadata cost is what envelopes amortise.
+        ``kv_ipc``: a KV handoff between two processes on one GPU, a device-to-device copy (its bytes
+        read and written in HBM, not sent over the link)."""
         link = self.hw.link
         setup = link.setup_s(path)
         if transfers <= 0 and nbytes <= 0:
             return 0.0
-        return max(0, transfers) * setup + max(0, nbytes) / link.bytes_per_s
+        rate = self.hw.hbm_bytes_per_s / 2 if path == "kv_ipc" else link.bytes_per_s
+        return max(0, transfers) * setup + max(0, nbytes) / rate
 
     def local_prefill_efficiency(self, encode_sm_share: float, encode_busy: float = 1.0) -> float:
         """α: throughput of a local prefill worker relative to one owning a whole GPU, when the

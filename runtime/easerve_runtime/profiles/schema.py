@@ -113,6 +113,10 @@ class LinkDoc(_Doc):
         "the fabric's per-transfer registration and metadata cost on the embedding path.")
     kv_setup_ms: float | None = Field(
         default=None, ge=0, description="Setup of one KV handoff, if it differs from transfer_setup_ms.")
+    kv_ipc_setup_ms: float | None = Field(
+        default=None, ge=0,
+        description="Setup of one KV handoff between two processes on one GPU (CUDA IPC: the decode maps the "
+        "prefill's cache and copies it device to device), if it differs from kv_setup_ms.")
 
 
 def _batch_table(v: dict[str, float] | None, what: str) -> dict[str, float] | None:

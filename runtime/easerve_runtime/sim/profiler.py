@@ -86,7 +86,7 @@ class SimProfiler:
         handoff = KVHandoff(loop, self.model, [])
         done: list[float] = []
 
-        def first_token(job: Job) -> None:
+        def first_token(job: Job, sender: str | None = None) -> None:
             done.append(loop.now)
 
         handoff.first_token = first_token  # type: ignore[method-assign]

@@ -183,8 +183,12 @@ class DecodeWorker(Busy):
 class KVHandoff:
     """After prefill: the first token is out; ship the KV cache to the least-loaded decode worker."""
 
-    def __init__(self, loop: EventLoop, model: StageModel, decoders: list[DecodeWorker]) -> None:
+    def __init__(self, loop: EventLoop, model: StageModel, decoders: list[DecodeWorker],
+                 same_gpu: Callable[[str | None, str | None], bool] | None = None) -> None:
         self.loop, self.model, self.decoders = loop, model, decoders
+        self.same_gpu = same_gpu
+        """``same_gpu(sender, decoder)`` (pod replica keys, ``sim.timeslice``): that handoff stays on
+        one GPU and goes by CUDA IPC (``engines.kv_ipc``); None: every handoff takes the KV path."""
         self.picker = LeastOutstanding()
         self.outstanding = {d.name: 0 for d in decoders}
         self.by_name = {d.name: d for d in decoders}
@@ -197,7 +201,7 @@ class KVHandoff:
         if self.on_finish is not None:
             self.on_finish(job)
 
-    def first_token(self, job: Job) -> None:
+    def first_token(self, job: Job, sender: str | None = None) -> None:
         now = self.loop.now
         job.rec.first_token_s = now
         if self.on_first_token is not None:
@@ -211,7 +215,8 @@ class KVHandoff:
         name = self.picker.pick([d.name for d in self.decoders], self.outstanding)
         dec = self.by_name[name]
         dec.outstanding += 1
-        dt = self.model.transfer_s(self.model.kv_bytes(job.tokens), path="kv")
+        ipc = self.same_gpu is not None and self.same_gpu(sender, getattr(dec, "proc", None))
+        dt = self.model.transfer_s(self.model.kv_bytes(job.tokens), path="kv_ipc" if ipc else "kv")
         self.loop.at(now + dt, dec.admit, job)
 
 
@@ -349,7 +354,7 @@ class PrefillWorker(Busy):
             self.outstanding -= 1
             if job.origin is not None:
                 job.origin.prefilled(job.dest)
-            self.handoff.first_token(job)
+            self.handoff.first_token(job, getattr(self, "proc", None))
         self._start()
 
 

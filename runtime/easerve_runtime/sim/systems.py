@@ -122,6 +122,7 @@ def simulate_system(
     frontends: int = 0,
     mps_caps: Mapping[str, float] | None = None,
     frontend_starts: Sequence[int] | None = None,
+    kv_ipc: bool = True,
 ) -> SimResult:
     """Run ONE configuration of ``system`` (no sweep).
 
@@ -131,7 +132,8 @@ def simulate_system(
     disaggregated pipeline's requests pass that many frontends' admission control (``sim.frontdoor``);
     0 admits every request. ``mps_caps``: the pods that share host GPUs run under MPS with these
     per-stage SM caps instead of time-slicing (``sim.mpsshare``). ``frontend_starts``: the
-    frontends' rotation starts (``run_pipeline``; None: spread evenly)."""
+    frontends' rotation starts (``run_pipeline``; None: spread evenly). ``kv_ipc``: KV handoffs on
+    one GPU go by CUDA IPC (``run_pipeline``)."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
@@ -157,7 +159,8 @@ def simulate_system(
                 return EagerBatcher(1, half_life_s=half_life)
 
         jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus,
-                                   frontends=frontends, mps_caps=mps_caps, frontend_starts=frontend_starts)
+                                   frontends=frontends, mps_caps=mps_caps, frontend_starts=frontend_starts,
+                                   kv_ipc=kv_ipc)
         config = _config(v, system)
     records = [j.rec for j in jobs]
     for j in jobs:

@@ -63,6 +63,7 @@ def run_pipeline(
     frontends: int = 0,
     mps_caps: Mapping[str, float] | None = None,
     frontend_starts: Sequence[int] | None = None,
+    kv_ipc: bool = True,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -77,6 +78,9 @@ def run_pipeline(
     unpartitioned (``smPartition.mode`` none), as the runtime serves them under MPS.
     ``frontend_starts``: each frontend's rotation start (one per frontend, as a live frontend draws
     it, ``process_rotation_start``); None: spread evenly (``spread_rotation_starts``).
+    ``kv_ipc``: a KV handoff between two processes placed on the same GPU goes by CUDA IPC (the
+    profile's ``kv_ipc`` transfer path), as the runtime hands it over by default (``engines.kv_ipc``);
+    False: by the host, as with ``EASERVE_KV_IPC=0``.
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -109,7 +113,11 @@ def run_pipeline(
         for i, (p, key) in enumerate(zip(each(Stage.DECODE), keys(Stage.DECODE), strict=True))
     ]
     budget = spec.prefill.max_batch_tokens
-    handoff = KVHandoff(loop, model, decoders)
+    def same_gpu(sender: str | None, decoder: str | None) -> bool:
+        on = devices.get(sender or ""), devices.get(decoder or "")
+        return on[0] is not None and on[0] == on[1] and len(on[0]) == 1
+
+    handoff = KVHandoff(loop, model, decoders, same_gpu if kv_ipc and devices else None)
     remote = [
         sliced(PrefillWorker(loop, model, p.tp, f"prefill-{i}", handoff, token_budget=budget), key)
         for i, (p, key) in enumerate(zip(each(Stage.PREFILL), keys(Stage.PREFILL), strict=True))
