@@ -37,4 +37,7 @@ def report(outcomes: list[Outcome], duration: float, slo: SLOSpec | None = None)
     out["routes"] = dict(Counter(o.record.route or "unknown" for o in ok))
     errors = Counter((o.record.error or "")[:120] for o in outcomes if not o.record.ok)
     out["errors"] = dict(errors.most_common(5))
+    lags = sorted(o.send_lag_s for o in outcomes)
+    if lags:  # how far this client ran behind its schedule (TTFT counts from the schedule)
+        out["send_lag"] = {"p99": lags[min(len(lags) - 1, int(0.99 * len(lags)))], "max": lags[-1]}
     return dict(_clean(out))
