@@ -211,11 +211,14 @@ def host_loop_row_ms(run: dict[str, Any], overhead_ms: float) -> float | None:
 
 
 def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
-    """``engine.mps.decode_row_ms``: the served decode step minus the profile's step at the same rows
-    and context, per row (least squares through the origin), over the capped points of the runs.
-    The engine's own counters (``decode_loop.engine_step_ms``), not the latencies: no fit of the
-    twin's outputs enters it."""
+    """``engine.mps.decode_row_ms`` and ``decode_row_extra_ms``: the served decode step minus the
+    profile's step at the same rows and context, per row, as ``decode_row_ms + decode_row_extra_ms
+    x (prefilling pods - 1)`` (least squares through the origin, ``sim.mpsshare.prefill_pods`` of
+    each point's served spec), over the capped points of the runs. The engine's own counters
+    (``decode_loop.engine_step_ms``), not the latencies: no fit of the twin's outputs enters it."""
+    from easerve_runtime.api import parse_spec
     from easerve_runtime.profiles import load_profile_file
+    from easerve_runtime.sim.mpsshare import prefill_pods
 
     prof = load_profile_file(profile)
     rows = []
@@ -224,6 +227,7 @@ def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
         for system, p in disaggregated_loop_points(run):
             if mps_caps_of(system) is None:
                 continue
+            extra = max(0, len(prefill_pods(parse_spec(twin_spec(run["systems"][system]["spec"], profile)))) - 1)
             dl = p["decode_loop"]
             n = float(dl["rows_per_step"])
             hist = {int(k): int(v) for k, v in (dl.get("kv_len") or {}).items()}
@@ -233,11 +237,21 @@ def capped_step_row_ms(run_globs: str, profile: Path) -> dict[str, Any]:
             base = 1e3 * ((1 - w) * prof.decode_step_s(lo, lo * kv) + w * prof.decode_step_s(hi, hi * kv))
             rows.append({"file": Path(f).name, "system": system, "rate": p["rate"], "rows": n,
                          "engine_step_ms": float(dl["engine_step_ms"]), "profile_step_ms": round(base, 3),
-                         "excess_ms": round(float(dl["engine_step_ms"]) - base, 3)})
+                         "excess_ms": round(float(dl["engine_step_ms"]) - base, 3), "extra_prefill_pods": extra})
     if not rows:
         raise SystemExit(f"--calibrate-loop: no capped point with the decode loop's counters in {run_globs}")
-    slope = sum(r["rows"] * r["excess_ms"] for r in rows) / sum(r["rows"] ** 2 for r in rows)
-    return {"decode_row_ms": round(max(0.0, slope), 4), "points": rows}
+    # excess = rows * (a + b * extra): the normal equations of the two terms through the origin
+    srr = sum(r["rows"] ** 2 for r in rows)
+    srx = sum(r["rows"] ** 2 * r["extra_prefill_pods"] for r in rows)
+    sxx = sum(r["rows"] ** 2 * r["extra_prefill_pods"] ** 2 for r in rows)
+    sre = sum(r["rows"] * r["excess_ms"] for r in rows)
+    sxe = sum(r["rows"] * r["extra_prefill_pods"] * r["excess_ms"] for r in rows)
+    det = srr * sxx - srx * srx
+    if sxx == 0 or abs(det) < 1e-12:  # no point with a second prefilling pod: the one term
+        a, b = sre / srr, 0.0
+    else:
+        a, b = (sre * sxx - srx * sxe) / det, (srr * sxe - srx * sre) / det
+    return {"decode_row_ms": round(max(0.0, a), 4), "decode_row_extra_ms": round(max(0.0, b), 4), "points": rows}
 
 
 def kv_handoff_ms(run_globs: str, max_rate: float | None = None) -> dict[str, Any]:
@@ -328,7 +342,8 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
     kv = kv_handoff_ms(run_globs)
     out: dict[str, Any] = {"bench": "twin_agreement", "mode": "calibrate-loop",
                            "measured": "gpu (the decode loop's counters) against the profile's decode step",
-                           "decode_row_ms": gpu["decode_row_ms"], "decode_loop_row_ms_by_run": hosts,
+                           "decode_row_ms": gpu["decode_row_ms"], "decode_row_extra_ms": gpu["decode_row_extra_ms"],
+                           "decode_loop_row_ms_by_run": hosts,
                            "decode_loop_row_ms": loop_ms, "decode_loop_overhead_ms": overhead,
                            "kv_handoff_ms": kv["kv_handoff_ms"], "kv_handoff_points": kv["points"], "points": gpu["points"]}
     if write:
@@ -339,8 +354,10 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
             doc = json.loads(f.read_text())
             doc["engine"]["decode_loop_row_ms"] = loop_ms
             # a card without its own constants keeps the module's (what the twin charged it) beside the new term
-            mps = doc["engine"].get("mps") or {k: v for k, v in mpsshare.DEFAULTS.items() if k != "decode_row_ms"}
-            doc["engine"]["mps"] = {**mps, "decode_row_ms": gpu["decode_row_ms"]}
+            mps = doc["engine"].get("mps") or {k: v for k, v in mpsshare.DEFAULTS.items()
+                                               if k not in ("decode_row_ms", "decode_row_extra_ms")}
+            doc["engine"]["mps"] = {**mps, "decode_row_ms": gpu["decode_row_ms"],
+                                    "decode_row_extra_ms": gpu["decode_row_extra_ms"]}
             f.write_text(json.dumps(doc, indent=1) + "\n")
             written.append(str(f))
         out["written"] = written
@@ -744,7 +761,8 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     from easerve_runtime.sim.systems import model_for
 
     current = (json.loads(profile.read_text()).get("engine") or {}).get("mps")
-    row_ms = capped_step_row_ms(runs_glob, profile)["decode_row_ms"]
+    measured_rows = capped_step_row_ms(runs_glob, profile)
+    row_ms = measured_rows["decode_row_ms"]
     with tempfile.TemporaryDirectory() as t:  # the specs name profile files written here
         pts = mps_points(profile, cpu_pre, runs_glob, Path(t), held_out_glob)
         models = {system: model_for(spec) for system, spec, _, _ in pts}
@@ -764,9 +782,10 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     card.setdefault("decode_contention", card["contention"])
     now = tuple(float(card[k]) for k in MPS_KEYS)
     in_code = _fit_rows(now)
-    grid_keys = [k for k in MPS_KEYS if k != "decode_row_ms"]
+    grid_keys = [k for k in MPS_KEYS if k not in ("decode_row_ms", "decode_row_extra_ms")]
     combos = [dict(zip(grid_keys, v, strict=True)) for v in itertools.product(*(MPS_GRID[k] for k in grid_keys))]
-    combos = [{**c, "decode_row_ms": row_ms} for c in combos]
+    combos = [{**c, "decode_row_ms": row_ms, "decode_row_extra_ms": measured_rows["decode_row_extra_ms"]}
+              for c in combos]
     values = [tuple(c[k] for k in MPS_KEYS) for c in combos]
     grid = []
     with multiprocessing.get_context("fork").Pool(os.cpu_count() or 1) as pool:

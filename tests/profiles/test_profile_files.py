@@ -615,9 +615,9 @@ def test_a_cards_mps_constants_in_the_profile_win_over_the_h200s_in_the_twin(tmp
     plain, fitted = _engine_doc(), _engine_doc()
     fitted["engine"]["mps"] = card
     p = parse_profile_file(fitted)
-    # encode_corun and decode_row_ms unset: the schema's defaults, none; decode_contention unset: contention's
+    # encode_corun and the per-row terms unset: the schema's defaults, none; decode_contention unset: contention's
     assert p.mps_constants == {**{k: card[k] for k in ("contention", "decode_corun", "decode_saturation")},
-                               "encode_corun": 0.0, "decode_row_ms": 0.0}
+                               "encode_corun": 0.0, "decode_row_ms": 0.0, "decode_row_extra_ms": 0.0}
     assert parse_profile_file(plain).mps_constants is None
     assert p.corrections is not None and p.corrections.summary()["mps"]["decode_corun"] == 1.5
     one = {"encode/0": frozenset({0}), "decode/0": frozenset({0})}

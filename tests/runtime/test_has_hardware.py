@@ -243,7 +243,8 @@ def test_the_h100_profile_carries_its_own_mps_constants_and_a_fit_writes_them(tm
            "in_code": {"fit_error": 0.4}}
     assert ta.write_mps(fit, [f, tmp_path / "absent.json"], "runs") == [str(f)]
     assert load_profile_file(f).mps_constants == {"contention": 0.3, "decode_corun": 0.1, "decode_saturation": 0.25,
-                                                  "encode_corun": 0.0, "decode_row_ms": 0.0}  # not in the fit: the schema's defaults
+                                                  "encode_corun": 0.0, "decode_row_ms": 0.0,
+                                                  "decode_row_extra_ms": 0.0}  # not in the fit: the schema's defaults
 
 
 def test_the_mps_fit_rides_each_grid_point_on_a_model_copy_and_leaves_the_module_alone(
@@ -290,8 +291,16 @@ def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(t
     cal = ta.calibrate_loop(runs, prof, cpu, write=True)
     pts = cal["points"]
     assert pts and all("+mps" in p["system"] for p in pts)
-    slope = sum(p["rows"] * p["excess_ms"] for p in pts) / sum(p["rows"] ** 2 for p in pts)
-    assert cal["decode_row_ms"] == pytest.approx(slope, abs=1e-4) and cal["decode_row_ms"] > 0
+    # excess = rows x (decode_row_ms + decode_row_extra_ms x the prefilling pods beyond the first),
+    # least squares through the origin: the residuals are orthogonal to both regressors
+    a, b = cal["decode_row_ms"], cal["decode_row_extra_ms"]
+    res = [p["excess_ms"] - p["rows"] * (a + b * p["extra_prefill_pods"]) for p in pts]
+    assert sum(p["rows"] * e for p, e in zip(pts, res, strict=True)) == pytest.approx(0, abs=0.05 * len(pts))
+    assert sum(p["rows"] * p["extra_prefill_pods"] * e for p, e in zip(pts, res, strict=True)) == pytest.approx(0, abs=0.05 * len(pts))
+    assert a > 0 and b > 0  # two prefilling pods (E2 P0 D1, E1 P1 D1 at s 0.5) cost decode more a row
+    two = {p["system"] for p in pts if p["extra_prefill_pods"] == 1}
+    assert two and all(s.startswith("easerve:e2p0d1") or ":s0.5" in s for s in two)
+    assert all(p["extra_prefill_pods"] == 0 for p in pts if p["system"].startswith(("dynamo-style", "easerve:e1p0d1")))
     assert all(p["engine_step_ms"] > p["profile_step_ms"] for p in pts)  # beside capped pods, slower than alone
     by_run = cal["decode_loop_row_ms_by_run"]
     assert set(by_run) == {"gpu_serve_h100_run25a_300req.json", "gpu_serve_h100_run25b_300req.json",
@@ -326,7 +335,8 @@ def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(t
     c2 = ta.calibrate_loop(runs, h200, None, write=True)
     from easerve_runtime.sim import mpsshare
 
-    assert load_profile_file(h200).mps_constants == {**mpsshare.DEFAULTS, "decode_row_ms": c2["decode_row_ms"]}
+    assert load_profile_file(h200).mps_constants == {**mpsshare.DEFAULTS, "decode_row_ms": c2["decode_row_ms"],
+                                                     "decode_row_extra_ms": c2["decode_row_extra_ms"]}
     # this host's loop is cheaper than the profile's: its decode is predicted faster
     tpot = [r[system]["points"][-1]["twin"]["tpot_p50"] for r in (own, profiles_)]
     assert tpot[0] < tpot[1]

@@ -227,3 +227,29 @@ def test_a_kv_handoff_on_one_gpu_takes_the_ipc_path_unless_the_runtime_turns_it_
     assert off and set(off) == {"kv"} and len(off) == len(one)
     assert own and set(own) == {"kv"}
     assert tpot_host > tpot_ipc  # the host path's half second a handoff lengthens every decode
+
+
+def test_each_further_prefilling_pod_adds_its_own_per_row_charge_to_decode(llava_spec) -> None:
+    """Runs 18-28 on the H100: the decode step's excess read 0.37 ms a row where one capped pod
+    prefills and 0.40 where two do (a local prefill in the encode pod beside a remote prefill pod,
+    or two encode pods). ``prefill_pods`` names the pods that prefill from the spec, and
+    ``decode_row_extra_ms`` charges each one beyond the first."""
+    from easerve_runtime.sim.mpsshare import prefill_pods
+
+    def at(s: float, encode: int = 1, prefill: int = 1):
+        return llava_spec.model_copy(update={
+            "offload": llava_spec.offload.model_copy(update={"ratio": s}),
+            "allocation": llava_spec.allocation.model_copy(update={
+                "encode": llava_spec.allocation.encode.model_copy(update={"replicas": encode}),
+                "prefill": llava_spec.allocation.prefill.model_copy(update={"replicas": prefill})})})
+
+    assert prefill_pods(at(0.5)) == {"encode/0", "prefill/0"}
+    assert prefill_pods(at(1.0)) == {"prefill/0"}  # Dynamo-style: the encode pod only encodes
+    assert prefill_pods(at(0.0, encode=2, prefill=0)) == {"encode/0", "encode/1"}
+    caps = {"encode": 0.85, "prefill": 0.85}
+    kw = {"decode_row_ms": 0.36, "decode_row_extra_ms": 0.04}
+    two = MPSSharing(EventLoop(), ONE_GPU, caps, model=None, prefill_pods=prefill_pods(at(0.5)), **kw)  # type: ignore[arg-type]
+    one = MPSSharing(EventLoop(), ONE_GPU, caps, model=None, prefill_pods=prefill_pods(at(1.0)), **kw)  # type: ignore[arg-type]
+    assert two.decode_rows_s("decode/0", 20) == pytest.approx(20 * 0.40 / 1e3)
+    assert one.decode_rows_s("decode/0", 20) == pytest.approx(20 * 0.36 / 1e3)
+    assert two.decode_rows_s("prefill/0", 20) == 0.0  # capped pods pay their caps, not rows

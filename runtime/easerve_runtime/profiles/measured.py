@@ -26,7 +26,8 @@ if TYPE_CHECKING:
     from easerve_runtime.profiles.profile import Profile
 
 
-MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation", "encode_corun", "decode_contention", "decode_row_ms")
+MPS_CONSTANTS = ("contention", "decode_corun", "decode_saturation", "encode_corun", "decode_contention", "decode_row_ms",
+                 "decode_row_extra_ms")
 """The MPS twin's constants a profile may carry (``schema.MPSSharingDoc``, ``sim.mpsshare``)."""
 AGGREGATED_RATIOS = ("encode_over_profile", "prefill_over_profile")
 """The aggregated loop's ratios a profile may carry (``schema.AggregatedLoopDoc``, ``sim.aggregated``)."""

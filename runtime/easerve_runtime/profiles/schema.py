@@ -217,6 +217,11 @@ class MPSSharingDoc(_Doc):
         default=0.0, ge=0, le=20, description="Milliseconds an uncapped decode step pays per running sequence on a "
         "GPU that capped pods share, whether or not they have work in flight (on the H100 the served step over the "
         "profile's grew 0.36-0.38 ms a row in every capped layout, runs 18-26); 0: none.")
+    decode_row_extra_ms: float = Field(
+        default=0.0, ge=0, le=20, description="Milliseconds a decode step pays per running sequence on top of "
+        "decode_row_ms for each capped pod beyond the first that runs prefill on its GPU (a local prefill in an "
+        "encode pod, a remote prefill pod): on the H100 the per-row excess read 0.37 ms with prefill in one capped "
+        "pod and 0.40 with two (runs 18-28); 0: none.")
     fitted_on: str | None = Field(default=None, description="The runs the constants were fitted on, for reports.")
 
 

@@ -29,7 +29,11 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
   grew 0.36-0.38 ms a row (8-24 rows) in every capped layout, at 4.5-7 req/s, on every host alike,
   while the intercept stayed the profile's; the one-process aggregated engine paid none of it.
   The step's weight reads hide under its launch floor; its attention's K/V reads, which scale
-  with the rows, run on what the capped kernels leave. The H200's fit has none (0).
+  with the rows, run on what the capped kernels leave. The H200's fit has none (0). Each capped
+  pod beyond the first that runs prefill on the GPU (a local prefill in an encode pod, a remote
+  prefill pod: ``prefill_pods``) adds ``decode_row_extra_ms`` a row: over runs 18-28 the excess
+  read 0.37 ms a row where one capped pod prefills and 0.40 where two do (E2 P0 D1, E1 P1 D1 at
+  s 0.5), the layouts the twin had predicted well above what they served.
 - **Bandwidth:** any work dispatched while another pod has work in flight also pays ``1 +
   contention`` (decode: ``1 + decode_contention``, the same unless a card's fit says otherwise;
   the H100's per-row fit leaves the step's intercept at the profile's, so it sets 0): the two
@@ -55,10 +59,24 @@ prefill share the pod's one cap (one process, or one cap for both processes).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.latency import StageModel
-from easerve_runtime.sim.timeslice import pod_stage
+from easerve_runtime.sim.timeslice import pod_key, pod_stage
+
+if TYPE_CHECKING:
+    from easerve_runtime.api import EPDDeploymentSpec
+
+
+def prefill_pods(spec: EPDDeploymentSpec) -> frozenset[str]:
+    """The pod replicas (``pod_key``) that run prefill: each encode pod when it has a local prefill
+    worker (s < 1) and each remote prefill pod when prefills go remote (s > 0)."""
+    alloc, s = spec.allocation, float(spec.offload.ratio)
+    pods = [pod_key("encode", r) for r in range(alloc.encode.replicas)] if spec.has_local_prefill else []
+    if s > 0:
+        pods += [pod_key("prefill", r) for r in range(alloc.prefill.replicas)]
+    return frozenset(pods)
 
 CONTENTION = 0.20
 DECODE_CORUN = 0.70
@@ -75,9 +93,11 @@ ENCODE_CORUN = 0.0
 DECODE_ROW_MS = 0.0
 """No per-row charge on the H200 (its fit charges decode by the co-run factor instead); a card's
 profile may carry its own (``engine.mps.decode_row_ms``: the H100's, runs 18-26)."""
+DECODE_ROW_EXTRA_MS = 0.0
+"""No per-row charge per further prefilling pod on the H200; the H100's profile carries its own."""
 DEFAULTS: dict[str, float] = {"contention": CONTENTION, "decode_corun": DECODE_CORUN,
                               "decode_saturation": DECODE_SATURATION, "encode_corun": ENCODE_CORUN,
-                              "decode_row_ms": DECODE_ROW_MS}
+                              "decode_row_ms": DECODE_ROW_MS, "decode_row_extra_ms": DECODE_ROW_EXTRA_MS}
 """The module's constants by the names a profile's ``engine.mps`` uses: what a card without its own
 fit gets. ``decode_contention`` is not here: unset, it is the card's ``contention``."""
 REF_ITEMS = 4
@@ -92,10 +112,12 @@ class MPSSharing:
                  model: StageModel, contention: float | None = None,
                  decode_saturation: float | None = None, decode_corun: float | None = None,
                  encode_corun: float | None = None, decode_contention: float | None = None,
-                 decode_row_ms: float | None = None) -> None:
+                 decode_row_ms: float | None = None, prefill_pods: frozenset[str] = frozenset(),
+                 decode_row_extra_ms: float | None = None) -> None:
         """``caps``: stage name (``encode``, ``local-prefill``, ``prefill``, ``decode``) -> SM
         fraction in (0, 1]; a stage not named is uncapped. A pod replica's cap is its stage's (an
-        encode pod's: ``encode``'s, else ``local-prefill``'s)."""
+        encode pod's: ``encode``'s, else ``local-prefill``'s). ``prefill_pods``: the pod replicas
+        that run prefill (``prefill_pods(spec)``), for ``decode_row_extra_ms``."""
         self.loop = loop
         self.devices = devices
         self.model = model
@@ -109,7 +131,9 @@ class MPSSharing:
         own = card.get("decode_contention", self.contention)
         self.decode_contention = own if decode_contention is None else decode_contention
         self.decode_row_ms = card["decode_row_ms"] if decode_row_ms is None else decode_row_ms
-        self._beside_capped: dict[str, bool] = {}
+        self.decode_row_extra_ms = card["decode_row_extra_ms"] if decode_row_extra_ms is None else decode_row_extra_ms
+        self.prefill_pods = prefill_pods
+        self._row_ms: dict[str, float] = {}
         self.caps = {k: min(1.0, max(0.0, float(v))) for k, v in caps.items()}
         self.busy_until: dict[str, float] = {}
         self._factor: dict[tuple[str, float], float] = {}
@@ -169,15 +193,21 @@ class MPSSharing:
 
     def decode_rows_s(self, proc: str, rows: int) -> float:
         """Seconds an uncapped decode step of ``rows`` sequences pays on top of its dilated time, on
-        a GPU that capped pods share (in flight or not): ``decode_row_ms`` a row."""
-        if not self.decode_row_ms or rows <= 0:
+        a GPU that capped pods share (in flight or not): ``decode_row_ms`` a row, plus
+        ``decode_row_extra_ms`` a row for each capped pod beyond the first that prefills there."""
+        if rows <= 0:
             return 0.0
-        beside = self._beside_capped.get(proc)
-        if beside is None:
+        row_ms = self._row_ms.get(proc)
+        if row_ms is None:
             mine = self.devices.get(proc, frozenset())
-            beside = self._beside_capped[proc] = bool(mine) and self.cap(proc) is None and any(
-                p != proc and self.devices[p] & mine and self.cap(p) is not None for p in self.devices)
-        return self.decode_row_ms * rows / 1e3 if beside else 0.0
+            capped = [p for p in self.devices
+                      if p != proc and self.devices[p] & mine and self.cap(p) is not None] if mine else []
+            row_ms = 0.0
+            if capped and self.cap(proc) is None:
+                prefilling = sum(1 for p in capped if p in self.prefill_pods)
+                row_ms = self.decode_row_ms + self.decode_row_extra_ms * max(0, prefilling - 1)
+            self._row_ms[proc] = row_ms
+        return row_ms * rows / 1e3
 
     def occupy(self, proc: str, until: float) -> None:
         """Pod replica ``proc`` has work in flight until ``until``."""

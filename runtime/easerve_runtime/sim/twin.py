@@ -23,7 +23,7 @@ from easerve_runtime.policies.router import LeastOutstanding, spread_rotation_st
 from easerve_runtime.sim.events import EventLoop
 from easerve_runtime.sim.frontdoor import FrontDoor
 from easerve_runtime.sim.latency import StageModel
-from easerve_runtime.sim.mpsshare import MPSSharing
+from easerve_runtime.sim.mpsshare import MPSSharing, prefill_pods
 from easerve_runtime.sim.shares import ShareModel
 from easerve_runtime.sim.stages import DecodeWorker, EncodeWorker, Job, KVHandoff, PrefillWorker
 from easerve_runtime.sim.timeslice import TimeSlicing, placement, pod_key
@@ -92,7 +92,8 @@ def run_pipeline(
     devices = placement(topo, host_gpus)
     ts: TimeSlicing | MPSSharing | None = None
     if devices:
-        ts = MPSSharing(loop, devices, mps_caps, model) if mps_caps is not None else TimeSlicing(loop, devices)
+        ts = (MPSSharing(loop, devices, mps_caps, model, prefill_pods=prefill_pods(spec)) if mps_caps is not None
+              else TimeSlicing(loop, devices))
 
     def each(stage: Stage) -> list[Process]:
         return [proc for pod, _ in topo.replicas() for proc in pod.process(stage)]
