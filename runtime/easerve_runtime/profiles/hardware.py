@@ -9,7 +9,8 @@ from importlib import resources
 from typing import Any, Literal
 
 TransferPath = Literal["embedding", "kv", "kv_ipc"]
-"""The two transfer paths with a setup cost of their own: envelopes of embeddings, KV handoffs."""
+"""The transfer paths with a setup cost of their own: envelopes of embeddings, KV handoffs, and KV
+handoffs between two processes on one GPU (CUDA IPC)."""
 
 BYTES_BF16 = 2
 

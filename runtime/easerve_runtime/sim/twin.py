@@ -114,6 +114,7 @@ def run_pipeline(
         for i, (p, key) in enumerate(zip(each(Stage.DECODE), keys(Stage.DECODE), strict=True))
     ]
     budget = spec.prefill.max_batch_tokens
+
     def same_gpu(sender: str | None, decoder: str | None) -> bool:
         on = devices.get(sender or ""), devices.get(decoder or "")
         return on[0] is not None and on[0] == on[1] and len(on[0]) == 1
