@@ -72,11 +72,51 @@ def test_has_runs_seeds_first_and_only_survivors(image_spec, td):
     assert res.best.spec.allocation.label() == res.best.allocation
 
 
-def test_resume_after_kill_repeats_nothing_and_loses_nothing(image_spec, td, tmp_path):
+def test_has_tries_the_baseline_right_after_the_seeds(image_spec, td):
+    """Issue 17: "never below either baseline". The trial after the analytical seeds is the
+    Dynamo-style configuration (B = 1, s = 1) of the best-ranked survivor with a remote prefill
+    pool, flagged as a seed (it does not count toward the refinements the stop rules want)."""
+    res = run(image_spec, td)
+    n = len(res.stage1.seeds)
+    first_remote = next(s.alloc for s in res.stage1.seeds if s.alloc.prefill > 0)
+    fb = res.trials[n]
+    assert (fb.candidate.alloc, fb.candidate.batch_bound, fb.candidate.offload_ratio) == (first_remote, 1, 1.0)
+    assert fb.seeded and not res.trials[n + 1].seeded
+    assert (first_remote, 1, 1.0) not in [(s.alloc, s.b_seed, s.s_seed) for s in res.stage1.seeds]
+    # without it, Stage 2 starts sampling right after the analytical seeds
+    off = run(image_spec, td, proposer_kw={"fallback": False})
+    assert not off.trials[n].seeded
+
+
+class OnlyTheBaselinePays:
+    """The analytic double, except that every configuration but pass-through encode with all
+    prefill remote (B = 1, s = 1) serves at a tenth of its goodput: nothing HAS refines pays."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+    def run_trial(self, spec, rate, requests, seed):
+        m = self.inner.run_trial(spec, rate, requests, seed)
+        if spec.encode.batch_bound == 1 and spec.offload.ratio == 1.0:
+            return m
+        return type(m)(m.throughput / 10, m.ttft_mean, m.tpot_mean,
+                       {k: v / 10 for k, v in m.goodput.items()}, completed=m.completed, cost_s=m.cost_s)
+
+
+def test_has_falls_back_to_the_baseline_when_nothing_else_pays(image_spec, td):
+    res = run(image_spec, td, runner=OnlyTheBaselinePays(td.AnalyticTestRunner()), objective="goodput@moderate")
+    assert res.best is not None
+    assert (res.best.batch_bound, res.best.offload_ratio) == (1, 1.0)
+    assert res.best.value == max(t.value for t in res.real_trials if t.value is not None)
+
+
+@pytest.mark.parametrize("where", ["midway", "before-fallback", "after-fallback"])
+def test_resume_after_kill_repeats_nothing_and_loses_nothing(image_spec, td, tmp_path, where):
     full = run(image_spec, td, method="has", budget=12, store=RecordStore(tmp_path / "full"))
     n_real = len(full.real_trials)
     assert n_real >= 6, "the uninterrupted search should be long enough to kill midway"
-    k = n_real // 2
+    n_seeds = len(full.stage1.seeds)  # the fallback is the trial after them
+    k = {"midway": n_real // 2, "before-fallback": n_seeds, "after-fallback": n_seeds + 1}[where]
     store = RecordStore(tmp_path / "killed")
     with pytest.raises(Killed):
         run(image_spec, td, budget=12, store=store, runner=KillAfter(td.AnalyticTestRunner(), k))

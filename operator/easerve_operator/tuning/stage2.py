@@ -6,6 +6,16 @@ allocation has its own B range and s window), so the study uses per-allocation p
 conditional spaces natively. Each survivor's analytical optimum is enqueued before any sampling
 (``study.enqueue_trial``), so the first trials are the Stage-1 seeds.
 
+The baseline is always tried (issue 17: "never below either baseline; HAS must fall back to
+s = 1, B = 1 or the best layout when nothing else pays"). After the analytical seeds, one more
+seed is enqueued: ``fallback_candidate``, the Dynamo-style configuration of the best-scored
+survivor that has a remote prefill pool (B = 1: pass-through encode; s = 1: every prefill remote),
+its s window widened to reach 1. A search whose refinements all score below it therefore still
+picks it, by the same selection rule, instead of a configuration under the baseline. Why a seed
+and not a post-hoc comparison: it is one real trial, measured like every other (on the cluster,
+through Prometheus), so the pick stays the best *measured* point, and a resumed search replays it
+like any other seed.
+
 Determinism and resume: the sampler is re-created before every ask with a seed derived from
 (search seed, number of trials so far). A proposal is therefore a pure function of the seed and
 the history, so a search rebuilt from its JSON records (``optuna.trial.create_trial`` +
@@ -17,6 +27,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import optuna
@@ -38,6 +49,19 @@ def derive_seed(seed: int, n: int) -> int:
     return (seed * 1_000_003 + n * 7919 + 17) % (2**32)
 
 
+def fallback_candidate(stage1: Stage1Result, space: SearchSpace) -> Candidate | None:
+    """The baseline configuration Stage 2 always tries: B = 1 and s = 1 on the first survivor (in
+    Stage 1's rank order) whose space admits s = 1, else B = 1 at the first survivor's seed s (the
+    best layout with pass-through encode). ``None`` when that is already an analytical seed."""
+    if not stage1.seeds:
+        return None
+    with_remote = [r for r in stage1.seeds if 1.0 in space.s_values(r.alloc)]
+    r = with_remote[0] if with_remote else stage1.seeds[0]
+    c = Candidate(r.alloc, 1, 1.0 if with_remote else r.s_seed)
+    seeds = {Candidate(x.alloc, x.b_seed, x.s_seed).key() for x in stage1.seeds}
+    return None if c.key() in seeds else c
+
+
 class HASProposer:
     """Stage 2 as a ``Proposer`` for ``loop.run_search``."""
 
@@ -50,10 +74,17 @@ class HASProposer:
         seed: int,
         *,
         n_startup_trials: int = DEFAULT_STARTUP_TRIALS,
+        fallback: bool = True,
     ) -> None:
         if not stage1.seeds:
             raise ValueError("Stage 1 kept no allocation: nothing for Stage 2 to refine")
         self.ranges: dict[str, SeedRange] = {r.alloc.label: r for r in stage1.seeds}
+        self.fallback = fallback_candidate(stage1, space) if fallback else None
+        if self.fallback is not None:  # its s window reaches the fallback's s
+            f, r = self.fallback, self.ranges[self.fallback.alloc.label]
+            self.ranges[f.alloc.label] = replace(
+                r, s_lo=min(r.s_lo, f.offload_ratio), s_hi=max(r.s_hi, f.offload_ratio)
+            )
         self.labels = [r.alloc.label for r in stage1.seeds]
         self.space = space
         self.seed = seed
@@ -87,7 +118,9 @@ class HASProposer:
         return p
 
     def seed_candidates(self) -> list[Candidate]:
-        return [Candidate(r.alloc, r.b_seed, r.s_seed) for r in self.ranges.values()]
+        """The enqueued trials, in order: each survivor's analytical optimum, then the fallback."""
+        seeds = [Candidate(r.alloc, r.b_seed, r.s_seed) for r in self.ranges.values()]
+        return seeds if self.fallback is None else [*seeds, self.fallback]
 
     # -- study ------------------------------------------------------------------------------
     def _sampler(self, n: int) -> optuna.samplers.TPESampler:
@@ -121,7 +154,7 @@ class HASProposer:
                 else r.s_lo
             )
         self._trial = t
-        return Proposal(Candidate(r.alloc, int(b), round_s(s)), seeded=n < len(self.ranges))
+        return Proposal(Candidate(r.alloc, int(b), round_s(s)), seeded=n < len(self.seed_candidates()))
 
     def tell(self, record: TrialRecord) -> None:
         assert self._trial is not None, "tell() without ask()"
@@ -133,7 +166,7 @@ class HASProposer:
 
     def restore(self, records: Sequence[TrialRecord]) -> None:
         """Rebuild the study from records: ``create_trial`` + ``add_trial``, then the seeds not yet run."""
-        n_seeds = len(self.ranges)
+        n_seeds = len(self.seed_candidates())
         self.study = self._new_study(already_run=min(len(records), n_seeds))
         for rec in records:
             params = self.params_of(rec.candidate)
