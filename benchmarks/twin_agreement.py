@@ -323,12 +323,23 @@ def calibrate_kv(run_globs: str, profile: Path, cpu_pre: Path | None = None, wri
     return out
 
 
-def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False) -> dict[str, Any]:
-    """The decode step's two per-row terms, from the served runs' decode-loop counters:
-    ``engine.mps.decode_row_ms`` (the GPU's: the step beside capped pods over the profile's, per
-    row) and ``engine.decode_loop_row_ms`` (the host's: the loop's iteration over the step, per row,
-    beyond the zero-load overhead; per run file, and over all of them). With ``write``, both go
-    into the profile files (the loop's as the mean over the runs' hosts)."""
+LOOP_TERMS = ("all", "gpu", "host")
+
+
+def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, write: bool = False,
+                   terms: str = "all") -> dict[str, Any]:
+    """The decode step's per-row terms, from the served runs' decode-loop counters:
+    ``engine.mps.decode_row_ms`` and ``decode_row_extra_ms`` (the GPU's: the step beside capped
+    pods over the profile's, per row, and per extra prefilling pod) and
+    ``engine.decode_loop_row_ms`` (the host's: the loop's iteration over the step, per row, beyond
+    the zero-load overhead; per run file, and over all of them). With ``write``, ``terms`` says
+    which go into the profile files: ``gpu`` (the two per-row step terms), ``host`` (the loop's,
+    as the mean over the runs' hosts) or ``all``. Why apart: the two come from different runs.
+    The GPU's terms want every capped run (18 on), but the host's loop term changed with the KV
+    handoff by CUDA IPC (run 28: its staging threads no longer hold the GIL), so it wants only
+    the runs that served that path."""
+    if terms not in LOOP_TERMS:
+        raise ValueError(f"terms: expected one of {LOOP_TERMS}, got '{terms}'")
     from easerve_runtime.sim import mpsshare
 
     overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
@@ -352,15 +363,18 @@ def calibrate_loop(run_globs: str, profile: Path, cpu_pre: Path | None = None, w
             if f is None or not f.exists():
                 continue
             doc = json.loads(f.read_text())
-            doc["engine"]["decode_loop_row_ms"] = loop_ms
-            # a card without its own constants keeps the module's (what the twin charged it) beside the new term
-            mps = doc["engine"].get("mps") or {k: v for k, v in mpsshare.DEFAULTS.items()
-                                               if k not in ("decode_row_ms", "decode_row_extra_ms")}
-            doc["engine"]["mps"] = {**mps, "decode_row_ms": gpu["decode_row_ms"],
-                                    "decode_row_extra_ms": gpu["decode_row_extra_ms"]}
+            if terms in ("all", "host"):
+                doc["engine"]["decode_loop_row_ms"] = loop_ms
+            if terms in ("all", "gpu"):
+                # a card without its own constants keeps the module's (what the twin charged it) beside the new term
+                mps = doc["engine"].get("mps") or {k: v for k, v in mpsshare.DEFAULTS.items()
+                                                   if k not in ("decode_row_ms", "decode_row_extra_ms")}
+                doc["engine"]["mps"] = {**mps, "decode_row_ms": gpu["decode_row_ms"],
+                                        "decode_row_extra_ms": gpu["decode_row_extra_ms"]}
             f.write_text(json.dumps(doc, indent=1) + "\n")
             written.append(str(f))
         out["written"] = written
+        out["terms_written"] = terms
     return out
 
 
@@ -939,7 +953,11 @@ def main() -> int:
     p.add_argument("--calibrate-loop", default=None, metavar="RUNS",
                    help="engine.mps.decode_row_ms (the GPU's per-row step beside capped pods) and "
                         "engine.decode_loop_row_ms (the host's per-row loop time) from the decode counters of RUNS "
-                        "(globs); with --write-profile, written into --profile and --profile-cpu-preprocess")
+                        "(globs); with --write-profile, written into --profile and --profile-cpu-preprocess "
+                        "(--loop-terms says which)")
+    p.add_argument("--loop-terms", choices=LOOP_TERMS, default="all",
+                   help="with --calibrate-loop --write-profile: write the GPU's per-row step terms (gpu), the "
+                        "host's loop term (host) or both (all); e.g. gpu over runs 18-28, host over run 28 only")
     p.add_argument("--calibrate-kv", default=None, metavar="RUNS",
                    help="links.<link>.kv_setup_ms (host path) and kv_ipc_setup_ms (CUDA IPC, run 28 on): the served "
                         "KV handoff per request (prefill's side plus decode's take and stage, less half a step) from "
@@ -962,7 +980,7 @@ def main() -> int:
         return 0
     if args.calibrate_loop:
         print(json.dumps(calibrate_loop(args.calibrate_loop, Path(args.profile), Path(args.profile_cpu_preprocess),
-                                        args.write_profile), indent=1))
+                                        args.write_profile, args.loop_terms), indent=1))
         return 0
     if args.calibrate_aggregated:
         print(json.dumps(calibrate_aggregated(args.calibrate_aggregated, Path(args.profile), args.write_profile), indent=1))

@@ -342,6 +342,31 @@ def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(t
     assert tpot[0] < tpot[1]
 
 
+@pytest.mark.parametrize("terms", ["gpu", "host"])
+def test_the_loop_calibration_writes_each_term_on_its_own(tmp_path: Path, terms: str) -> None:
+    """``--calibrate-loop --loop-terms gpu|host --write-profile``: the GPU's per-row step terms and
+    the host's loop term come from different runs (the loop term changed with the IPC handoff), so
+    either is written alone, and the other keeps the file's value."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    prof = tmp_path / "p.json"
+    prof.write_text((results / "engine_profile_h100_llava7b_run20.json").read_text())
+    before = json.loads(prof.read_text())["engine"]
+    cal = ta.calibrate_loop(str(results / "gpu_serve_h100_run2[56]*_300req.json"), prof, None, write=True, terms=terms)
+    after = json.loads(prof.read_text())["engine"]
+    assert cal["terms_written"] == terms
+    gpu = {k: after["mps"][k] for k in ("decode_row_ms", "decode_row_extra_ms")}
+    if terms == "gpu":
+        assert gpu == {k: cal[k] for k in gpu} and gpu != {k: before["mps"][k] for k in gpu}
+        assert after["decode_loop_row_ms"] == before["decode_loop_row_ms"] != cal["decode_loop_row_ms"]
+    else:
+        assert after["decode_loop_row_ms"] == cal["decode_loop_row_ms"] != before["decode_loop_row_ms"]
+        assert after["mps"] == before["mps"]
+    with pytest.raises(ValueError, match="terms"):
+        ta.calibrate_loop(str(results / "gpu_serve_h100_run25a_300req.json"), prof, None, write=True, terms="both")
+
+
 def test_the_kv_handoff_is_read_off_both_sides_counters_and_becomes_the_links_kv_setup(tmp_path: Path) -> None:
     """``twin_agreement.py --calibrate-kv`` on run 27b (the first run that counted both sides): each
     point's handoff is the prefill's copy out plus the decode's take and stage, less half an engine
