@@ -7,6 +7,9 @@ PY=${PYTHON:-python3}
 if [ ! -f .devsite/dynamo/_core.abi3.so ]; then
     $PY -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.devsite/dynamo/_core.abi3.so.xz'), open('.devsite/dynamo/_core.abi3.so', 'wb'))"
 fi
+if [ ! -d .devsite/site ] && [ -f .devsite/site.tar.xz ]; then   # make_devsite.sh's unpacked wheels
+    mkdir -p .devsite/site && tar xJf .devsite/site.tar.xz -C .devsite/site
+fi
 if [ ! -d .devsite/site ]; then
     $PY -m pip install -q --no-index --find-links .devsite/wheels --target .devsite/site \
         uvloop aiohttp prometheus_client pyyaml tqdm pydantic

@@ -4,10 +4,8 @@
 # stripped of its static symbols, 174 MB, and xz-compressed to 38 MB, so the folder and the
 # tracked tree travel within a 64 MiB carry) and the wheels of the
 # runtime's pure dependencies for CPython 3.12. benchmarks/devsite.sh unpacks it there.
-# The two parts (dynamo/ 37 MB, wheels/ 11 MB) and the tracked tree (~16 MB, 2026-12) now pass
-# the device's 64 MiB carry together, so carry them in two calls on one warm machine: first
-# .devsite/wheels with `pip install --no-index --find-links .devsite/wheels --target .devsite/site ...`
-# (an ignored output the machine keeps between calls), then .devsite/dynamo for the runs.
+# What travels to the GPU machine: .devsite/dynamo (37 MB) and .devsite/site.tar.xz (7.4 MB, the
+# wheels unpacked; below), with the tracked tree (18.7 MB, 2026-12), in one 64 MiB carry.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -23,4 +21,15 @@ xz -9 -T0 .devsite/dynamo/_core.abi3.so   # -> _core.abi3.so.xz
 $PY -m pip download -q --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     -d .devsite/wheels uvloop aiohttp prometheus_client pyyaml tqdm "pydantic>=2.10.6,<=2.13.5"
+# The same wheels unpacked (a wheel is its site-packages layout) into one xz archive, 7.4 MB
+# against 10 MB of wheels, less those the GPU machine's torch stack already has (pyyaml, tqdm,
+# idna). Why: by 2026-12 the tracked tree (18.7 MB), dynamo/ and the wheels no longer fit one
+# 64 MiB carry; the tree, dynamo/ and this archive do, in one call:
+#   carry [".devsite/site.tar.xz", ".devsite/dynamo"]; benchmarks/devsite.sh unpacks it.
+site="$tmp/site"; mkdir -p "$site"
+for w in .devsite/wheels/*.whl; do
+    case "$(basename "$w")" in pyyaml-*|tqdm-*|idna-*) continue ;; esac
+    $PY -m zipfile -e "$w" "$site"
+done
+tar cJf .devsite/site.tar.xz -C "$site" .
 du -sh .devsite
