@@ -145,6 +145,29 @@ def test_resume_after_kill_repeats_nothing_and_loses_nothing(image_spec, td, tmp
     )
 
 
+def test_a_search_recorded_without_the_fallback_runs_it_when_resumed(image_spec, td, tmp_path):
+    """An operator upgraded mid-search: the records were written by a proposer without the fallback
+    seed (two TPE trials past the analytical seeds), the resumed one has it. The fallback runs next,
+    flagged as a seed, rather than one of the old TPE trials being taken for it."""
+    n_seeds = len(run(image_spec, td, budget=12).stage1.seeds)
+    store = RecordStore(tmp_path / "upgraded")
+    with pytest.raises(Killed):
+        run(image_spec, td, budget=12, store=store, runner=KillAfter(td.AnalyticTestRunner(), n_seeds + 2),
+            proposer_kw={"fallback": False})
+    _, _, before = store.load()
+    assert [t.seeded for t in before] == [True] * n_seeds + [False, False]
+    runner = td.AnalyticTestRunner()
+    resumed = run(image_spec, td, budget=12, store=RecordStore(tmp_path / "upgraded"), resume=True, runner=runner)
+    assert [t.to_dict() for t in resumed.trials[: len(before)]] == [t.to_dict() for t in before]
+    fb = resumed.trials[len(before)]
+    first_remote = next(s.alloc for s in resumed.stage1.seeds if s.alloc.prefill > 0)
+    assert (fb.candidate.alloc, fb.candidate.batch_bound, fb.candidate.offload_ratio) == (first_remote, 1, 1.0)
+    assert fb.seeded and not fb.cached
+    assert sum(t.seeded for t in resumed.trials) == n_seeds + 1
+    before_keys = {(t.candidate.alloc.label, t.candidate.batch_bound, t.candidate.offload_ratio) for t in before}
+    assert not before_keys & set(runner.log)
+
+
 @pytest.mark.parametrize("method", ["random", "coordinate"])
 def test_baselines_resume_by_replay(image_spec, td, tmp_path, method):
     full = run(image_spec, td, method=method, budget=10)

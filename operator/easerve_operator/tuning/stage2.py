@@ -90,7 +90,8 @@ class HASProposer:
         self.seed = seed
         self.n_startup_trials = n_startup_trials
         self._trial: optuna.trial.Trial | None = None
-        self.study = self._new_study(already_run=0)
+        self._queued = 0  # enqueued seeds not yet asked: Optuna hands them out first, in order
+        self.study = self._new_study(run=())
 
     # -- parameters -------------------------------------------------------------------------
     def _distributions(self, label: str) -> dict[str, BaseDistribution]:
@@ -133,10 +134,18 @@ class HASProposer:
                 group=True,
             )
 
-    def _new_study(self, already_run: int) -> optuna.Study:
+    def _new_study(self, run: Sequence[Candidate]) -> optuna.Study:
+        """A study with every seed not among ``run`` enqueued, in seed order.
+
+        Which seeds ran is read from the candidates, not their count: a search recorded by an
+        operator without the fallback seed and resumed by one with it (an upgrade mid-search) runs
+        the fallback next rather than taking an old TPE trial for it."""
         study = optuna.create_study(direction="maximize", sampler=self._sampler(0))
-        for c in self.seed_candidates()[already_run:]:
+        done = {c.key() for c in run}
+        todo = [c for c in self.seed_candidates() if c.key() not in done]
+        for c in todo:
             study.enqueue_trial(self.params_of(c))
+        self._queued = len(todo)
         return study
 
     def ask(self) -> Proposal:
@@ -154,7 +163,9 @@ class HASProposer:
                 else r.s_lo
             )
         self._trial = t
-        return Proposal(Candidate(r.alloc, int(b), round_s(s)), seeded=n < len(self.seed_candidates()))
+        seeded = self._queued > 0
+        self._queued -= seeded
+        return Proposal(Candidate(r.alloc, int(b), round_s(s)), seeded=seeded)
 
     def tell(self, record: TrialRecord) -> None:
         assert self._trial is not None, "tell() without ask()"
@@ -166,8 +177,7 @@ class HASProposer:
 
     def restore(self, records: Sequence[TrialRecord]) -> None:
         """Rebuild the study from records: ``create_trial`` + ``add_trial``, then the seeds not yet run."""
-        n_seeds = len(self.seed_candidates())
-        self.study = self._new_study(already_run=min(len(records), n_seeds))
+        self.study = self._new_study(run=[rec.candidate for rec in records])
         for rec in records:
             params = self.params_of(rec.candidate)
             dists = self._distributions(rec.candidate.alloc.label)
