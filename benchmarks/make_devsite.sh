@@ -11,7 +11,6 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p .devsite/wheels
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
     -d "$tmp" ai-dynamo-runtime==1.6.1
 (cd "$tmp" && unzip -q ai_dynamo_runtime-*.whl 'dynamo/*')
@@ -20,7 +19,10 @@ strip --strip-unneeded .devsite/dynamo/_core.abi3.so   # the dynamic symbols Pyt
 xz -9 -T0 .devsite/dynamo/_core.abi3.so   # -> _core.abi3.so.xz
 $PY -m pip download -q --only-binary=:all: --python-version 3.12 \
     --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
-    -d .devsite/wheels uvloop aiohttp prometheus_client pyyaml tqdm "pydantic>=2.10.6,<=2.13.5"
+    -d "$tmp/wheels" uvloop aiohttp prometheus_client pyyaml tqdm "pydantic>=2.10.6,<=2.13.5"
+# Downloaded afresh and swapped in whole: a wheel left by an earlier download (another version of
+# the same package) would otherwise be unpacked into the same tree below.
+rm -rf .devsite/wheels && mv "$tmp/wheels" .devsite/wheels
 # The same wheels unpacked (a wheel is its site-packages layout) into one xz archive, 7.4 MB
 # against 10 MB of wheels, less those the GPU machine's torch stack already has (pyyaml, tqdm,
 # idna). Why: by 2026-12 the tracked tree (18.7 MB), dynamo/ and the wheels no longer fit one
