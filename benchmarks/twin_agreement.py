@@ -546,10 +546,14 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
                 "rate": p["rate"],
                 "measured": {"throughput": m_tp, "ttft_p99": m_ttft, "ttft_p50": (p.get("ttft") or {}).get("p50"),
                              "tpot_p50": (p.get("tpot") or {}).get("p50"), "failed": p.get("failed"),
-                             "goodput_moderate": (p.get("goodput") or {}).get("moderate")},
+                             "goodput_moderate": (p.get("goodput") or {}).get("moderate"),
+                             # the first-to-second token gap (KV handoff and decode's admission):
+                             # runs since 2026-12-07 record it; where TPOT's miss sits
+                             "token2_gap_p50": (p.get("token2_gap") or {}).get("p50")},
                 "twin": {"throughput": t_tp, "ttft_p99": t_ttft, "ttft_p50": (res.get("ttft") or {}).get("p50"),
                          "tpot_p50": (res.get("tpot") or {}).get("p50"), "failed": res.get("failed"),
-                         "goodput_moderate": (res.get("goodput") or {}).get("moderate")},
+                         "goodput_moderate": (res.get("goodput") or {}).get("moderate"),
+                         "token2_gap_p50": (res.get("token2_gap") or {}).get("p50")},
                 # a one-rate run does not show its saturation: whether it is in scope is unknown there
                 "in_scope": (bool(sat) and p["rate"] <= BAR["up_to_saturation"] * sat) if len(pts) > 1 else None,
             }

@@ -21,7 +21,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "llava-v1.6-34b.yam
 
 
 async def serve_and_load(per_request: bool, n: int, spacing_s: float = 0.2,
-                         on_start: Any = None) -> tuple[list[int], list[Any]]:
+                         on_start: Any = None, pause_s: float = 0.0) -> tuple[list[int], list[Any]]:
     """Client ports of the chat requests, in order, and the outcomes."""
     ports: list[int] = []
 
@@ -34,6 +34,8 @@ async def serve_and_load(per_request: bool, n: int, spacing_s: float = 0.2,
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for tok in (1, 2):
+            if tok == 2 and pause_s:  # as a disaggregated server pauses for the KV handoff
+                await asyncio.sleep(pause_s)
             chunk = {"choices": [{"delta": {"content": "x"}}], "easerve": {"token_id": tok}}
             await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
         await resp.write(b"data: [DONE]\n\n")
@@ -88,3 +90,17 @@ def test_a_client_that_falls_behind_its_schedule_still_times_each_request_from_i
     assert all(o.record.first_token_s - o.record.arrival_s >= o.send_lag_s for o in outs)
     rep = report(outs, 1.0)
     assert rep["send_lag"]["max"] >= 0.25 and rep["ttft_mean"] >= 0.25
+
+
+def test_the_client_times_the_second_token_apart() -> None:
+    """The server pauses 0.2 s between the first token and the second (where a disaggregated server
+    hands the KV cache to decode): the record holds that gap and the report gives its statistics."""
+    from easerve_runtime.bench.report import report
+
+    _, outs = asyncio.run(serve_and_load(False, 3, spacing_s=0.3, pause_s=0.2))
+    assert ok(outs) == 3
+    for o in outs:
+        r = o.record
+        assert r.first_token_s < r.second_token_s <= r.finish_s
+        assert r.token2_gap_s >= 0.2
+    assert report(outs, 1.0)["token2_gap"]["p50"] >= 0.2

@@ -52,6 +52,10 @@ def test_single_request_latency_is_the_sum_of_its_stage_latencies(llava_spec, to
     assert rec.finish_s - rec.first_token_s == pytest.approx(
         p.transfer_s(p.kv_bytes(tokens)) + decode, rel=1e-12
     )
+    # the second token: the KV handoff, then decode's first step (what a live client times too)
+    assert rec.token2_gap_s == pytest.approx(
+        p.transfer_s(p.kv_bytes(tokens)) + p.decode_step_s(1, tokens + 1, tp=tpd), rel=1e-12
+    )
 
 
 def test_poisson_gap_single_request_waits_exactly_the_max_age_valve(llava_spec, toy_model) -> None:

@@ -147,6 +147,18 @@ def test_summarize_by_hand() -> None:
     assert s["tpot_mean"] == pytest.approx((0.05 + 0.075 + 0.0) / 3)
     assert s["ttft_p99"] == pytest.approx(percentile([0.5, 3.0, 5.0], 99))
     assert s["attainment"]["moderate"] == pytest.approx(0.5)
+    assert "token2_gap" not in s  # no record saw its second token
+
+
+def test_summarize_reports_the_second_tokens_gap_where_it_was_seen() -> None:
+    recs = [
+        RequestRecord(id="a", arrival_s=0.0, output_tokens=41, first_token_s=0.5, finish_s=2.5, second_token_s=0.8),
+        RequestRecord(id="b", arrival_s=1.0, output_tokens=11, first_token_s=4.0, finish_s=4.75, second_token_s=4.1),
+        RequestRecord(id="c", arrival_s=2.0, output_tokens=1, first_token_s=7.0, finish_s=7.0),  # one token only
+    ]
+    gap = summarize(recs, SLO)["token2_gap"]
+    assert gap["mean"] == pytest.approx((0.3 + 0.1) / 2)
+    assert gap["p50"] == pytest.approx(percentile([0.3, 0.1], 50))
 
 
 def test_percentile_matches_linear_interpolation() -> None:

@@ -101,6 +101,8 @@ async def one_request(
                         now = time.monotonic() - t0
                         if rec.first_token_s is None:
                             rec.first_token_s = now
+                        elif rec.second_token_s is None:
+                            rec.second_token_s = now
                         rec.finish_s = now
                         tokens.append(int(ext.get("token_id", -1)))
     except TimeoutError:

@@ -130,6 +130,7 @@ class DecodeWorker(Busy):
         self._seq = 0
         self.steps = 0
         self.batch_sum = 0
+        self._joined: list[Job] = []  # admitted at the step in flight: its end is their second token
 
     @property
     def running(self) -> int:
@@ -151,6 +152,7 @@ class DecodeWorker(Busy):
         for job, _need in self.admission.admit():
             self.ctx_sum += job.tokens + 1
             self._seq += 1
+            self._joined.append(job)
             heapq.heappush(self.finishing, (self.step + job.req.output_tokens - 1, self._seq, job))
         n = self.admission.running
         if n == 0:
@@ -168,6 +170,9 @@ class DecodeWorker(Busy):
         now = self.loop.now
         self.step += 1
         self.ctx_sum += self.admission.running
+        for job in self._joined:
+            job.rec.second_token_s = now
+        self._joined.clear()
         f = self.finishing
         while f and f[0][0] <= self.step:
             _, _, job = heapq.heappop(f)

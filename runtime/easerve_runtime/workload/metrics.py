@@ -57,12 +57,15 @@ def summarize(
     Keys: ``requests``, ``completed``, ``failed``, ``duration_s``, ``throughput`` (completed req/s),
     ``ttft`` and ``tpot`` ({mean, p50, p99} seconds), ``ttft_mean``/``ttft_p99``/``tpot_mean``/
     ``tpot_p99`` (flat copies for tables), ``goodput`` ({tier name: req/s}), ``attainment``
-    ({tier name: fraction of all requests that were good}), ``objective`` (the spec's tier).
+    ({tier name: fraction of all requests that were good}), ``objective`` (the spec's tier), and
+    ``token2_gap`` ({mean, p50, p99} seconds from the first token to the second) where the records
+    carry the second token's time.
     """
     ok = [r for r in records if r.ok]
     dur = run_duration(records) if duration is None else duration
     ttft = _stats([r.ttft_s for r in ok])
     tpot = _stats([r.tpot_s for r in ok])
+    gaps = [g for g in (r.token2_gap_s for r in ok) if g is not None]
     n = len(records)
     good = {t.name: sum(1 for r in ok if is_good(r, t)) for t in slo.tiers}
     return {
@@ -80,4 +83,6 @@ def summarize(
         "goodput": {k: (v / dur if dur > 0 else 0.0) for k, v in good.items()},
         "attainment": {k: (v / n if n else 0.0) for k, v in good.items()},
         "objective": slo.objective,
+        # present where runs observe the second token (the bench, the twin's disaggregated pipeline)
+        **({"token2_gap": _stats(gaps)} if gaps else {}),
     }

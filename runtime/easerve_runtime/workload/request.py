@@ -69,6 +69,10 @@ class RequestRecord:
     finish_s: float | None = None
     error: str | None = None
     route: str | None = None  # "remote" | "local" | None (aggregated / not routed)
+    # when the second token arrived: in disaggregated serving the first comes from the prefill
+    # worker and the second from decode, so the gap holds the KV handoff and the decode's admission,
+    # which TPOT spreads over the tokens (None: not observed, e.g. the twin's aggregated replica)
+    second_token_s: float | None = None
 
     @property
     def ok(self) -> bool:
@@ -86,3 +90,10 @@ class RequestRecord:
         if self.output_tokens <= 1:
             return 0.0
         return (self.finish_s - self.first_token_s) / (self.output_tokens - 1)
+
+    @property
+    def token2_gap_s(self) -> float | None:
+        """Time from the first token to the second (None where the second was not observed)."""
+        if self.first_token_s is None or self.second_token_s is None:
+            return None
+        return self.second_token_s - self.first_token_s
