@@ -386,11 +386,15 @@ def main(argv: list[str] | None = None) -> int:
                          "start, e.g. out of KV memory, would otherwise hold the GPU for gpu_serve's 400 s)")
     ap.add_argument("--size", default="7b", choices=["tiny", "7b"], help="--deploy: tiny is a CPU smoke")
     ap.add_argument("--measured", default=MEASURED, help="--deploy/--summary: result files (globs, comma-separated)")
-    ap.add_argument("--profile", default=str(PROFILES[0]),
-                    help="--plan: the engine profile the twin is calibrated with (its CPU-preprocessing twin beside it)")
+    ap.add_argument("--profile", default=None,
+                    help="the engine profile the twin is calibrated with (its CPU-preprocessing twin beside it); "
+                         f"default: --plan {PROFILES[0].relative_to(REPO)}, --summary the plan's own")
     ap.add_argument("--no-progress", action="store_true")
     args = ap.parse_args(argv)
-    prof = Path(args.profile).resolve()
+    # --summary's twin column predicts with the profile the plan was made with, unless told
+    # otherwise: with the shipped H200 profile beside an H100 plan it read another twin's numbers
+    planned = json.loads(Path(args.plan_file).read_text()).get("profile") if args.summary and Path(args.plan_file).exists() else None
+    prof = Path(args.profile or (REPO / planned if planned else PROFILES[0])).resolve()
     PROFILES = (prof, ta.cpu_preprocess_of(prof))
     if args.summary:
         files = [Path(f) for f in ta.run_files(args.measured)]

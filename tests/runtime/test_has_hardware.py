@@ -125,6 +125,27 @@ def test_the_summary_compares_the_pick_with_the_best_of_the_sweep_and_the_top_3(
     assert "not ready" in s["failed"]["easerve:e1p0d2:b4:s0"]
 
 
+def test_the_summary_predicts_with_the_plans_own_profile(tmp_path: Path) -> None:
+    """A plan made on the H100's profile: --summary's twin column is that profile's without being
+    told, and an explicit --profile still wins."""
+    h100 = "benchmarks/results/engine_profile_h100_llava7b_run20.json"
+    plan = {"rate": 7.0, "pick": "easerve:e1p1d1:b1:s1+mps85", "profile": h100,
+            "groups": {"has": ["easerve:e1p1d1:b1:s1+mps85"], "baselines": ["dynamo-style:e1p1d1+mps85"]}}
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    (tmp_path / "has_hardware_h100_a.json").write_text(json.dumps({"host_gpus": 1, "systems": {
+        "easerve:e1p1d1:b1:s1+mps85": {"points": [pt(7.0, 6.7)]}, "dynamo-style:e1p1d1+mps85": {"points": [pt(7.0, 6.7)]}}}))
+
+    def twin(*extra: str) -> float:
+        r = subprocess.run([sys.executable, str(REPO / "benchmarks" / "has_hardware.py"), "--summary", "--plan-file",
+                            str(tmp_path / "plan.json"), "--measured", str(tmp_path / "has_hardware_h100_*.json"), *extra],
+                           capture_output=True, text=True, check=True, cwd=REPO)
+        return float(json.loads(r.stdout)["rates"]["7"]["systems"]["easerve:e1p1d1:b1:s1+mps85"]["twin"])
+
+    plans_own, told_h100 = twin(), twin("--profile", h100)
+    told_shipped = twin("--profile", str(has_hardware.PROFILES[0]))
+    assert plans_own == told_h100 and plans_own != told_shipped
+
+
 def test_the_pick_as_the_best_measured_meets_the_bar(tmp_path: Path) -> None:
     plan = {"rate": 2.0, "pick": "easerve:e1p1d1:b4:s0.5",
             "groups": {"has": ["easerve:e1p1d1:b4:s0.5"], "baselines": ["dynamo-style:e1p1d1"]}}
