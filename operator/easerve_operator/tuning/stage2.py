@@ -90,7 +90,6 @@ class HASProposer:
         self.seed = seed
         self.n_startup_trials = n_startup_trials
         self._trial: optuna.trial.Trial | None = None
-        self._queued = 0  # enqueued seeds not yet asked: Optuna hands them out first, in order
         self.study = self._new_study(run=())
 
     # -- parameters -------------------------------------------------------------------------
@@ -145,11 +144,13 @@ class HASProposer:
         todo = [c for c in self.seed_candidates() if c.key() not in done]
         for c in todo:
             study.enqueue_trial(self.params_of(c))
-        self._queued = len(todo)
         return study
 
     def ask(self) -> Proposal:
-        n = len([t for t in self.study.get_trials(deepcopy=False) if t.state != TrialState.WAITING])
+        trials = self.study.get_trials(deepcopy=False)
+        n = len([t for t in trials if t.state != TrialState.WAITING])
+        # Optuna hands out enqueued (WAITING) trials first: this ask is a seed while any remain
+        seeded = n < len(trials)
         self.study.sampler = self._sampler(n)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -163,8 +164,6 @@ class HASProposer:
                 else r.s_lo
             )
         self._trial = t
-        seeded = self._queued > 0
-        self._queued -= seeded
         return Proposal(Candidate(r.alloc, int(b), round_s(s)), seeded=seeded)
 
     def tell(self, record: TrialRecord) -> None:
