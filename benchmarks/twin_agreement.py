@@ -445,6 +445,7 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
     doc = json.loads(profile.read_text())
     if encode_from is not None:
         other = json.loads(encode_from.read_text())["engine"]
+        doc["engine"]["encode_host"] = encode_host_points(doc["engine"]["encode"], other["encode"])
         doc["engine"]["encode"] = other["encode"]
         doc["engine"]["request_path_ms"] = other.get("request_path_ms")
     if path_ms is not None:
@@ -454,6 +455,33 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
     f = tmp / f"profile-{'cpu' if encode_from else 'gpu'}.json"
     f.write_text(json.dumps(doc))
     return f
+
+
+def encode_host_points(on_gpu: list[dict[str, Any]], on_cpu: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The host's part of each CPU-preprocessing encode point (``engine.encode_host``): what it takes
+    beyond the GPU-preprocessing run's encode at the same items (linear between that run's points,
+    proportional beyond them). Why: the CPU run's encoder holds the GPU only for its tower, while the
+    twin would otherwise count its whole batch as GPU work in flight and charge prefill and decode
+    for it. The GPU run's encode still holds its own (fast) preprocessing, so this is the least the
+    host takes: the twin holds the GPU at most that little too long."""
+    pts = sorted((int(p["items"]), float(p["ms"])) for p in on_gpu)
+
+    def gpu_ms(items: int) -> float:
+        if not pts:
+            return 0.0
+        if items <= pts[0][0]:
+            return pts[0][1] * items / pts[0][0]
+        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+            if items <= x1:
+                return y0 + (y1 - y0) * (items - x0) / (x1 - x0)
+        return pts[-1][1] * items / pts[-1][0]
+
+    out = []
+    for p in on_cpu:
+        host = float(p["ms"]) - gpu_ms(int(p["items"]))
+        if host > 0:
+            out.append({"items": int(p["items"]), "ms": round(host, 3)})
+    return out
 
 
 def cpu_preprocess_of(profile: Path) -> Path:

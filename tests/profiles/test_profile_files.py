@@ -438,6 +438,52 @@ def test_an_engine_section_reproduces_its_measurements_and_keeps_the_models_shap
     assert plain.corrections is None
 
 
+def test_the_encoders_host_part_is_read_as_its_share_of_the_measured_encode() -> None:
+    """``engine.encode_host`` (a CPU-preprocessing encoder: image decode and the processor on the
+    host) is read as a share of the measured encode at the same items: interpolated between points,
+    the end's beyond them, never above the whole; the twin's stage model turns it back into seconds.
+    A profile without it has no host part (preprocessing on the GPU)."""
+    from easerve_runtime.sim.latency import StageModel
+
+    doc = _engine_doc()
+    doc["engine"]["encode_host"] = [{"items": 5, "ms": 21.0}, {"items": 40, "ms": 46.0}]
+    p = parse_profile_file(doc)
+    assert p.encode_host_share(5) == pytest.approx(0.5) and p.encode_host_share(40) == pytest.approx(0.2)
+    assert 0.2 < p.encode_host_share(12) < 0.5 and p.encode_host_share(64) == pytest.approx(0.2)
+    assert StageModel(p).encode_host_s(5) == pytest.approx(0.021) and StageModel(p).encode_host_s(0) == 0.0
+    assert p.corrections is not None and p.corrections.summary()["encode_host"] == {"5": 0.5, "40": 0.2}
+    doc["engine"]["encode_host"] = [{"items": 5, "ms": 99.0}]  # more than the whole: the whole
+    assert parse_profile_file(doc).encode_host_share(5) == 1.0
+    plain = parse_profile_file(_engine_doc())
+    assert plain.encode_host_share(5) == 0.0 and StageModel(plain).encode_host_s(5) == 0.0
+
+
+def test_an_encoders_host_part_leaves_the_shared_gpu_to_prefill_in_the_twin(tmp_path: Path) -> None:
+    """On a GPU that the pods share under MPS, an encoder batch is GPU work in flight only after its
+    host part: the same encode times with most of them on the host charge the prefill that runs
+    beside it less (``stats.prefill.over_profile``), and the encoder itself is not slowed for the
+    host part (``encode_ms_per_batch``); every request is still served."""
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    caps = {"encode": 0.85, "prefill": 0.85}
+    out = {}
+    for name, host in (("gpu", []), ("cpu", [{"items": 5, "ms": 36.0}, {"items": 40, "ms": 200.0}])):
+        spec = _engine_spec(tmp_path, name, encode_host=host)
+        wire = spec.wire()  # Dynamo-style's layout: one pod a stage, every prefill remote
+        wire["allocation"] = {"encode": {"replicas": 1}, "prefill": {"replicas": 1, "tensorParallel": 2},
+                              "decode": {"replicas": 1, "tensorParallel": 2}}
+        wire["offload"] = {"ratio": 1.0}
+        wire["smPartition"] = {"mode": "none"}
+        spec = parse_spec(wire)
+        reqs = generate(spec, 1.0, 120, 5)
+        res = simulate_system(spec, reqs, "easerve", host_gpus=1, mps_caps=caps)
+        assert len([r for r in res.records if r.ok]) == 120
+        out[name] = res.stats
+    assert out["cpu"]["prefill"]["prefill"]["over_profile"] < out["gpu"]["prefill"]["prefill"]["over_profile"]
+    assert out["cpu"]["encode_ms_per_batch"] < out["gpu"]["encode_ms_per_batch"]
+
+
 @pytest.mark.parametrize(
     ("mutate", "expected"),
     [

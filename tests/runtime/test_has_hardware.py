@@ -477,3 +477,31 @@ def test_the_aggregated_calibration_reads_the_loops_counters_and_the_twin_then_m
     again = ta.calibrate_aggregated(runs, prof)
     assert again["profile_had"]["encode_over_profile"] == first["ratios"]["encode_over_profile"]
     assert again["ratios"] == first["ratios"]
+
+
+def test_a_cpu_preprocessing_systems_profile_carries_the_hosts_part_of_each_encode(tmp_path: Path) -> None:
+    """``system_profile`` gives a system that preprocesses on the CPU the CPU run's encode points and,
+    as ``engine.encode_host``, what each takes beyond the GPU run's encode at the same items (linear
+    between its points): the part during which the encoder holds no GPU. A GPU-preprocessing system's
+    profile has none."""
+    import twin_agreement as ta
+    from easerve_runtime.profiles import load_profile_file
+
+    results = REPO / "benchmarks" / "results"
+    prof = results / "engine_profile_h100_llava7b_run20.json"
+    cpu = ta.cpu_preprocess_of(prof)
+    on_gpu, on_cpu = (json.loads(f.read_text())["engine"]["encode"] for f in (prof, cpu))
+    merged = json.loads(ta.system_profile("dynamo-style:e1p1d1+mps85", tmp_path, prof, cpu).read_text())["engine"]
+    assert merged["encode"] == on_cpu
+    gpu_at = {p["items"]: p["ms"] for p in on_gpu}
+    host = {p["items"]: p["ms"] for p in merged["encode_host"]}
+    assert set(host) == {p["items"] for p in on_cpu if p["ms"] > gpu_at[p["items"]]} and host
+    for p in on_cpu:
+        assert host[p["items"]] == pytest.approx(p["ms"] - gpu_at[p["items"]], abs=1e-3)
+    assert ta.encode_host_points([{"items": 2, "ms": 10.0}, {"items": 6, "ms": 20.0}],
+                                 [{"items": 4, "ms": 18.0}, {"items": 12, "ms": 30.0}, {"items": 1, "ms": 4.0}]) == [
+        {"items": 4, "ms": 3.0}]  # 15 between the GPU run's points; 40 and 5 beyond them, in proportion
+    loaded = load_profile_file(tmp_path / "profile-cpu.json")
+    assert 0 < loaded.encode_host_share(4) < 1
+    gpu_only = json.loads(ta.system_profile("easerve:e1p1d1:b1:s1+mps85", tmp_path, prof, cpu).read_text())["engine"]
+    assert "encode_host" not in gpu_only and load_profile_file(tmp_path / "profile-gpu.json").encode_host_share(4) == 0.0

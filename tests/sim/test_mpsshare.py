@@ -253,3 +253,36 @@ def test_each_further_prefilling_pod_adds_its_own_per_row_charge_to_decode(llava
     assert two.decode_rows_s("decode/0", 20) == pytest.approx(20 * 0.40 / 1e3)
     assert one.decode_rows_s("decode/0", 20) == pytest.approx(20 * 0.36 / 1e3)
     assert two.decode_rows_s("prefill/0", 20) == 0.0  # capped pods pay their caps, not rows
+
+
+def test_an_encoders_host_part_holds_no_gpu_and_is_not_slowed(toy_model) -> None:
+    """A CPU-preprocessing encoder batch (``StageModel.encode_host_s``) dispatched now runs its host
+    part first: until that ends it is not work in flight on the GPU (a prefill dispatched then pays
+    no contention), after it it is; the host part pays no sharing factor, the GPU part does."""
+    from easerve_runtime.sim.stages import Busy
+
+    class Encoder(Busy):
+        work = "encode"
+
+    loop = EventLoop()
+    caps = {"encode": 0.85, "prefill": 0.85}
+    m = MPSSharing(loop, ONE_GPU, caps, toy_model, contention=0.1, decode_saturation=mpsshare.MIN_FREE,
+                   decode_corun=0.0, encode_corun=0.0)
+    enc = Encoder()
+    enc.ts, enc.proc = m, "encode/0"
+    alone = m.share_factor("prefill", 0.85)
+    dt = enc.timesliced(0.010, host_s=0.005)
+    assert dt == pytest.approx(0.005 + 0.010 * m.share_factor("encode", 0.85))
+    seen: dict[str, float] = {}
+    loop.at(0.004, lambda: seen.update(host=m.dilation("prefill/0", "prefill")))
+    loop.at(0.006, lambda: seen.update(gpu=m.dilation("prefill/0", "prefill")))
+    loop.at(dt + 1e-6, lambda: seen.update(after=m.dilation("prefill/0", "prefill")))
+    loop.run()
+    beside = m.share_factor("prefill", 0.5) * 1.1  # two 85 % caps in flight split the SMs, and contend
+    assert seen == pytest.approx({"host": alone, "gpu": beside, "after": alone})
+    loop2 = EventLoop()  # without a host part the batch is in flight from its dispatch
+    m2 = MPSSharing(loop2, ONE_GPU, caps, toy_model, contention=0.1, decode_saturation=mpsshare.MIN_FREE,
+                    decode_corun=0.0, encode_corun=0.0)
+    enc.ts = m2
+    enc.timesliced(0.010)
+    assert m2.dilation("prefill/0", "prefill") == pytest.approx(beside)

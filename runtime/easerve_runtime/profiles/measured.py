@@ -47,6 +47,7 @@ class StageCorrections:
     mixed_iteration: str = "fused"  # how the engine's aggregated loop runs prefill beside decode
     mps: Mapping[str, float] | None = None  # the MPS twin's constants fitted on this card (sim.mpsshare)
     aggregated: Mapping[str, float] | None = None  # the aggregated loop's encode/prefill over the twin's
+    encode_host: Curve | None = None  # x: encoder items; y: the share of the encode time spent on the host
 
     def summary(self) -> dict[str, Any]:
         """The ratios at the measured points (what a report prints)."""
@@ -63,7 +64,7 @@ class StageCorrections:
             out["mps"] = dict(self.mps)
         if self.aggregated is not None:
             out["aggregated"] = dict(self.aggregated)
-        for name in ("encode", "prefill", "decode"):
+        for name in ("encode", "prefill", "decode", "encode_host"):
             c = getattr(self, name)
             if c is not None:
                 out[name] = {str(round(2 ** x)): round(y, 4) for x, y in zip(c.xs, c.ys, strict=True)}
@@ -95,6 +96,11 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
         (p["batch"], p["ms"] / 1e3 / profile.decode_step_s(int(p["batch"]), float(p["context_tokens"])))
         for p in _points(doc, "decode")
     )
+    # the host's share of each encode_host point's encode time (the encode curve's at those items)
+    host = ratio_curve(
+        (p["items"], min(1.0, p["ms"] / 1e3 / (profile.encode_s(int(p["items"])) * (enc(p["items"]) if enc else 1.0))))
+        for p in _points(doc, "encode_host")
+    )
     path_ms = doc.get("request_path_ms")
     mps = doc.get("mps")
     agg = doc.get("aggregated")
@@ -103,4 +109,5 @@ def corrections(profile: Profile, doc: Mapping[str, Any]) -> StageCorrections:
                             float(doc.get("decode_loop_row_ms") or 0.0) / 1e3,
                             str(doc.get("mixed_iteration") or "fused"),
                             {k: float(mps[k]) for k in MPS_CONSTANTS if mps.get(k) is not None} if mps else None,
-                            {k: float(agg[k]) for k in AGGREGATED_RATIOS} if agg else None)
+                            {k: float(agg[k]) for k in AGGREGATED_RATIOS} if agg else None,
+                            encode_host=host)

@@ -116,6 +116,14 @@ class Profile:
         profile's ``engine.aggregated``: ``encode_over_profile``, ``prefill_over_profile``); None: 1."""
         return self.corrections.aggregated if self.corrections is not None else None
 
+    def encode_host_share(self, batch: int) -> float:
+        """The share of an encoder micro-batch of ``batch`` items spent on the host's CPU with the GPU
+        not held (an engine profile's ``encode_host``: CPU preprocessing); 0 for a profile without it."""
+        c = self.corrections
+        if c is None or c.encode_host is None or batch <= 0:
+            return 0.0
+        return min(1.0, max(0.0, c.encode_host(batch)))
+
     # ------------------------------------------------------------------ sizes
     @property
     def weight_bytes(self) -> int:

@@ -249,6 +249,12 @@ class EngineDoc(_Doc):
     engine: str = Field(min_length=1, description="The engine measured (torch).")
     device: str = Field(min_length=1, description="The device it ran on, as torch names it.")
     encode: list[EncodePointDoc] = Field(default_factory=list)
+    encode_host: list[EncodePointDoc] = Field(
+        default_factory=list,
+        description="Of an encode point's milliseconds, those spent on the host's CPU (image decode and the "
+        "processor, where spec.encode.preprocessing is cpu) while the GPU is not held. The twin keeps the "
+        "encoder busy for the whole point but counts only the rest as GPU work in flight on a GPU that pods "
+        "share (sim.mpsshare). Empty: all of it is GPU work (preprocessing on the GPU).")
     prefill: list[PrefillPointDoc] = Field(default_factory=list)
     decode: list[DecodePointDoc] = Field(default_factory=list)
     request_path_ms: float | None = Field(

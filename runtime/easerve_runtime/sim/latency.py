@@ -128,6 +128,12 @@ class StageModel:
             v = self._encode[key] = float(self.profile.encode_s(items, share)) * self.scales.encode if items > 0 else 0.0
         return v
 
+    def encode_host_s(self, items: int) -> float:
+        """Of ``encode_s(items)``, the seconds on the host's CPU (CPU preprocessing): they take no SM
+        share and hold no GPU (``Profile.encode_host_share``; 0 unless the profile measured them)."""
+        share = getattr(self.profile, "encode_host_share", None)
+        return float(share(items)) * self.encode_s(items) if share is not None and items > 0 else 0.0
+
     # -- prefill --------------------------------------------------------------------------
     def prefill_s(self, tokens: int, tp: int = 1, share: float = 1.0, sequences: int = 1) -> float:
         """One prefill batch of ``tokens`` total tokens over ``sequences`` prompts (inf at share 0)."""

@@ -89,17 +89,24 @@ class Busy:
         self.proc = ""
         """This worker's pod replica (``timeslice.pod_key``)."""
 
-    def timesliced(self, dt: float, rows: int = 0) -> float:
+    def timesliced(self, dt: float, rows: int = 0, host_s: float = 0.0) -> float:
         """``dt`` of work dispatched now, as its pod pays for it on a time-sliced GPU (the same
         ``dt`` on GPUs of its own); the pod is busy until it ends. ``rows``: a decode step's
-        sequences, which pay a per-row term beside capped pods under MPS (``decode_rows_s``)."""
+        sequences, which pay a per-row term beside capped pods under MPS (``decode_rows_s``).
+        ``host_s``: a head of the work on the host's CPU (an encoder's CPU preprocessing), neither
+        slowed by the sharing nor holding the GPU: the GPU work ``dt`` starts after it (its factor
+        read at dispatch, as every charge here)."""
         if self.ts is None:
-            return dt
+            return host_s + dt
         dt *= self.ts.dilation(self.proc, self.work)
         if rows:
             dt += self.ts.decode_rows_s(self.proc, rows)
-        self.ts.occupy(self.proc, self.ts.loop.now + dt)
-        return dt
+        now = self.ts.loop.now
+        if host_s > 0:
+            self.ts.loop.at(now + host_s, self.ts.occupy, self.proc, now + host_s + dt)
+        else:
+            self.ts.occupy(self.proc, now + dt)
+        return host_s + dt
 
 
 class DecodeWorker(Busy):
@@ -450,7 +457,8 @@ class EncodeWorker(Busy):
         local_active = self.local is not None and bool(self.local.batch)
         share, dilation = self.shares.encode_share(items, local_active)
         alone = self.model.encode_s(items, share) if items else 0.0
-        dt = self.timesliced(alone * dilation) if items else 0.0
+        host = min(alone, self.model.encode_host_s(items))  # CPU preprocessing: no SMs, no GPU held
+        dt = self.timesliced((alone - host) * dilation, host_s=host) if items else 0.0
         self.profile_s += alone  # as the live worker's easerve_encode_profile_seconds_total
         self.busy = True
         self.batches += 1
