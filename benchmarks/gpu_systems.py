@@ -100,12 +100,17 @@ class System:
     """The KV handoff between processes on one GPU (``engines.kv_ipc``): None, the runtime's default
     (CUDA IPC since run 28); ``+kvipc`` True (``EASERVE_KV_IPC=1``, as run 28 named it); ``+hostkv``
     False (``EASERVE_KV_IPC=0``: through host memory, as every run before 28 served it)."""
+    max_queued: int | None = None
+    """``+qNN``: the frontend's admission bound fixed at NN (``spec.limits.maxQueuedRequests``); None:
+    sized from the profile's capacity (``policies.admission``). Past saturation that bound decides
+    how long an admitted request waits for its first token (run 31)."""
 
     @property
     def name(self) -> str:
         """The one spelling of this system (``parse(s.name) == s``)."""
         return (self._name + (f"+mps{self.mps}" if self.mps is not None else "")
-                + {None: "", True: "+kvipc", False: "+hostkv"}[self.kv_ipc])
+                + {None: "", True: "+kvipc", False: "+hostkv"}[self.kv_ipc]
+                + (f"+q{self.max_queued}" if self.max_queued is not None else ""))
 
     @property
     def _name(self) -> str:
@@ -158,6 +163,8 @@ class System:
         }
         if self.layout is not None:
             out.update(gpuBudget=self.layout.gpus, allocation=self.layout.allocation().wire())
+        if self.max_queued is not None:
+            out["limits"] = {"maxQueuedRequests": self.max_queued}
         return out
 
     @property
@@ -193,6 +200,13 @@ def parse(system: str) -> System:
         inner = parse(head)
         if inner.base not in POINT_SYSTEMS:
             raise _refuse(system, f"{inner.base} runs one process per GPU: +{tail} has nothing to change")
+        q = re.fullmatch(r"q(\d+)", tail)
+        if q is not None:
+            if inner.max_queued is not None or int(q.group(1)) < 1 or str(int(q.group(1))) != q.group(1):
+                raise _refuse(system, "+qNN (the admission bound, NN >= 1) comes once, last")
+            return replace(inner, max_queued=int(q.group(1)))
+        if inner.max_queued is not None:
+            raise _refuse(system, "+qNN comes last")
         if tail in ("kvipc", "hostkv"):
             if inner.kv_ipc is not None:
                 raise _refuse(system, "the KV path (+kvipc or +hostkv) is named twice")
@@ -200,7 +214,7 @@ def parse(system: str) -> System:
         m = re.fullmatch(r"mps(\d+)", tail)
         if m is None or not 1 <= int(m.group(1)) <= 100 or str(int(m.group(1))) != m.group(1):
             raise _refuse(system, f"{tail!r}: a part after + is mpsNN, NN the encode and prefill SM cap in "
-                                  "percent (1-100), kvipc or hostkv")
+                                  "percent (1-100), kvipc, hostkv or qNN")
         if inner.mps is not None or inner.kv_ipc is not None:
             raise _refuse(system, "+mpsNN comes once, before +kvipc or +hostkv")
         return replace(inner, mps=int(m.group(1)))

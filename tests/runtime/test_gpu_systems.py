@@ -31,7 +31,7 @@ def spec_of(system: str) -> dict:
     "dynamo-style:e1p2d1", "dynamo-style:e1p1d2tp2",
     "easerve:e1p0d1:b6:s0+mps70", "easerve:e1p0d1:b6:s0:cpu+mps50", "dynamo-style:e1p1d1+mps100", "easerve+mps60",
     "easerve:e1p0d1:b1:s0+mps85+kvipc", "dynamo-style:e1p1d1+kvipc", "easerve:e1p0d1:b1:s0+mps85+hostkv",
-    "dynamo-style:e1p1d1+hostkv",
+    "dynamo-style:e1p1d1+hostkv", "easerve:e1p1d1:b1:s1+mps85+q18", "dynamo-style:e1p1d1+mps85+kvipc+q20",
 ])
 def test_a_name_parses_to_the_system_whose_name_it_is(name: str) -> None:
     assert parse(name).name == name
@@ -76,7 +76,10 @@ def test_a_point_of_has_space_round_trips_through_its_name() -> None:
     ("dynamo-style:e1p1d1+mps50+mps70", "+mpsNN comes once", "before +kvipc"),
     ("dynamo-style:e1p1d1+kvipc+kvipc", "the KV path (+kvipc or +hostkv) is named twice", "twice"),
     ("dynamo-style:e1p1d1+kvipc+hostkv", "the KV path (+kvipc or +hostkv) is named twice", "twice"),
-    ("dynamo-style:e1p1d1+ipc", "'ipc'", "kvipc or hostkv"),
+    ("dynamo-style:e1p1d1+ipc", "'ipc'", "kvipc, hostkv or qNN"),
+    ("easerve:e1p1d1:b1:s1+q18+mps85", "+qNN comes last", "last"),
+    ("easerve:e1p1d1:b1:s1+mps85+q0", "+qNN (the admission bound, NN >= 1)", "once, last"),
+    ("easerve:e1p1d1:b1:s1+mps85+q18+q20", "+qNN (the admission bound, NN >= 1)", "once, last"),
 ])
 def test_a_bad_name_is_refused_naming_the_part_that_is_wrong(name: str, part: str, why: str) -> None:
     with pytest.raises(ValueError) as err:
@@ -107,6 +110,18 @@ def test_the_fixed_systems_render_the_specs_they_always_did() -> None:
     agg = spec_of("aggregated@4096")
     assert agg["aggregated"] == {"tokenBudget": 4096} and agg["mode"] == "aggregated"
     assert gpu_serve.spec_doc("aggregated@4096", Path("/m"), 4.0, 0.45)["metadata"]["name"] == "gpu-aggregated-tb4096"
+
+
+def test_a_fixed_admission_bound_reaches_the_spec_and_the_frontend() -> None:
+    """``+qNN`` fixes the frontend's admission bound (``spec.limits.maxQueuedRequests``); without it
+    the spec leaves the bound to the profile's capacity."""
+    from easerve_runtime.policies.admission import admission_queue
+
+    fixed = parse_spec(spec_of("easerve:e1p1d1:b1:s1+mps85+q18"))
+    assert fixed.limits.max_queued_requests == 18
+    assert admission_queue(fixed.limits, 7.1).bound == 18 and not admission_queue(fixed.limits, 7.1).adaptive
+    assert "limits" not in spec_of("easerve:e1p1d1:b1:s1+mps85")
+    assert parse("dynamo-style:e1p1d1+mps85+q18").env == parse("dynamo-style:e1p1d1+mps85").env
 
 
 @pytest.mark.parametrize("budget", [2, 3, 4, 5])
