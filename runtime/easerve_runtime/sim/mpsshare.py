@@ -42,6 +42,9 @@ The model, charged when work is dispatched (as ``sim.timeslice``; work in flight
   in flight pays ``1 + encode_corun`` as well. On the H100 (runs 21-23) the served encoder took
   1.3-1.8x what the twin charged from its SM curve and the contention alone, in every capped
   system (``twin_agreement.py --encode-check``, milliseconds per batch); the H200's fit has none.
+- **An encoder's host part** (``StageModel.encode_host_s``: CPU preprocessing, a profile's
+  ``engine.encode_host``) is neither charged a factor nor in flight: the encoder dispatches it
+  first and its GPU work is in flight only after it (``stages.Busy.timesliced``).
 
 ``contention``, ``decode_contention``, ``decode_corun``, ``decode_row_ms``, ``decode_saturation`` and
 ``encode_corun`` belong to the card. The module's
