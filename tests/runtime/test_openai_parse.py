@@ -178,3 +178,32 @@ def test_the_bench_sends_a_jpeg_video_as_frames_the_frontend_takes() -> None:
         "frames": 5, "height": 48, "width": 64}
     container = media_part("video", {"frames": 5, "height": 48, "width": 64}, "png")
     assert container is not None and container["type"] == "video_url"  # the sim path's mp4 box, as before
+
+
+@pytest.mark.parametrize("prompt_tokens", [1, 37, 128, 1024])
+def test_a_bench_prompt_of_n_tokens_is_n_tokens_to_the_tokenizer_and_to_the_sim_estimate(prompt_tokens: int) -> None:
+    """``easerve bench``'s text is as many tokens as its workload says: to the BPE tokenizer that
+    ``easerve model init`` writes (what the torch engine's frontend counts with) and to the sim
+    path's ``ceil(chars / 4)``. The old filler (``"lorem "``) made a 128-token prompt 427 tokens to
+    that tokenizer, and every GPU run's prompts ~300 tokens longer than the twin's."""
+    import math
+
+    from easerve_runtime.bench.payloads import chat_body
+    from easerve_runtime.models.init import train_tokenizer
+    from easerve_runtime.workers.openai import CHARS_PER_TOKEN
+    from easerve_runtime.workload.request import Request
+
+    tok = _bench_tokenizer(train_tokenizer)
+    req = Request(id="r", arrival_s=0.0, modality="text", prompt_tokens=prompt_tokens, output_tokens=4)
+    text = chat_body(req, "m")["messages"][0]["content"][0]["text"]
+    assert len(tok(text)["input_ids"]) == prompt_tokens
+    assert math.ceil(len(text) / CHARS_PER_TOKEN) == prompt_tokens
+
+
+_TOKENIZER: list[Any] = []
+
+
+def _bench_tokenizer(train: Any) -> Any:
+    if not _TOKENIZER:  # trained once per session (a second or so)
+        _TOKENIZER.append(train("llava-next"))
+    return _TOKENIZER[0]

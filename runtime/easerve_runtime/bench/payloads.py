@@ -120,6 +120,15 @@ def media_part(modality: str, media: dict[str, Any], image_format: str = "png") 
     return None
 
 
+PROMPT_FILLER = " the"
+"""What a request's text prompt is made of: one token per 4 characters both to the byte-level BPE
+that ``easerve model init`` trains and to Llama's and Mistral's tokenizers (``▁the``), which is
+what the sim path's estimate (``workers.openai.CHARS_PER_TOKEN``) assumes. Until 2026-12-07 it was
+``"lorem "``, which the local BPE splits into 5 tokens: a 128-token prompt reached the torch
+engine as 427, so every GPU run up to run 32 prefilled ~300 more tokens a request than its
+workload (and the twin) said (docs/benchmarks.md, "Runs 30-32")."""
+
+
 def chat_body(
     req: Request,
     model: str,
@@ -128,8 +137,11 @@ def chat_body(
     image_format: str = "png",
     ignore_eos: bool = False,
 ) -> dict[str, Any]:
-    """The chat-completions body for a workload request (prompt padded to its token count)."""
-    text = ("lorem " * (req.prompt_tokens * chars_per_token // 6 + 1))[
+    """The chat-completions body for a workload request (prompt padded to its token count).
+
+    The padding is ``PROMPT_FILLER`` repeated: one token per 4 characters to a real tokenizer, so
+    a request of N prompt tokens reaches the model as N tokens (plus the chat template's)."""
+    text = (PROMPT_FILLER * (req.prompt_tokens * chars_per_token // len(PROMPT_FILLER) + 1))[
         : max(1, req.prompt_tokens * chars_per_token)
     ]
     content: list[dict[str, Any]] = [{"type": "text", "text": text}]
