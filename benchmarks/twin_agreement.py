@@ -459,23 +459,17 @@ def merged_profile(tmp: Path, profile: Path, encode_from: Path | None, path_ms: 
 
 def encode_host_points(on_gpu: list[dict[str, Any]], on_cpu: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The host's part of each CPU-preprocessing encode point (``engine.encode_host``): what it takes
-    beyond the GPU-preprocessing run's encode at the same items (linear between that run's points,
-    proportional beyond them). Why: the CPU run's encoder holds the GPU only for its tower, while the
-    twin would otherwise count its whole batch as GPU work in flight and charge prefill and decode
-    for it. The GPU run's encode still holds its own (fast) preprocessing, so this is the least the
-    host takes: the twin holds the GPU at most that little too long."""
-    pts = sorted((int(p["items"]), float(p["ms"])) for p in on_gpu)
+    beyond the GPU-preprocessing run's encode at the same items (``profiles.curves.Curve`` through
+    that run's points, its end segments continued beyond them). Why: the CPU run's encoder holds the
+    GPU only for its tower, while the twin would otherwise count its whole batch as GPU work in
+    flight and charge prefill and decode for it. The GPU run's encode still holds its own (fast)
+    preprocessing, so this is the least the host takes: the twin holds the GPU at most that little
+    too long."""
+    from easerve_runtime.profiles.curves import Curve
 
-    def gpu_ms(items: int) -> float:
-        if not pts:
-            return 0.0
-        if items <= pts[0][0]:
-            return pts[0][1] * items / pts[0][0]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
-            if items <= x1:
-                return y0 + (y1 - y0) * (items - x0) / (x1 - x0)
-        return pts[-1][1] * items / pts[-1][0]
-
+    if not on_gpu:
+        return []
+    gpu_ms = Curve(((int(p["items"]), float(p["ms"])) for p in on_gpu), extrapolate=True)
     out = []
     for p in on_cpu:
         host = float(p["ms"]) - gpu_ms(int(p["items"]))

@@ -500,7 +500,7 @@ def test_a_cpu_preprocessing_systems_profile_carries_the_hosts_part_of_each_enco
         assert host[p["items"]] == pytest.approx(p["ms"] - gpu_at[p["items"]], abs=1e-3)
     assert ta.encode_host_points([{"items": 2, "ms": 10.0}, {"items": 6, "ms": 20.0}],
                                  [{"items": 4, "ms": 18.0}, {"items": 12, "ms": 30.0}, {"items": 1, "ms": 4.0}]) == [
-        {"items": 4, "ms": 3.0}]  # 15 between the GPU run's points; 40 and 5 beyond them, in proportion
+        {"items": 4, "ms": 3.0}]  # 15 between the GPU run's points; 35 and 7.5 beyond them, the end segments continued
     loaded = load_profile_file(tmp_path / "profile-cpu.json")
     assert 0 < loaded.encode_host_share(4) < 1
     gpu_only = json.loads(ta.system_profile("easerve:e1p1d1:b1:s1+mps85", tmp_path, prof, cpu).read_text())["engine"]
