@@ -449,7 +449,10 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
     result: dict[str, Any] = json.loads(result_path.read_text()) if result_path.exists() else {}
     result.update({"bench": "gpu_serve", "measured": "gpu" if args.size != "tiny" else "cpu-smoke",
                    "model": f"llava-next-{args.size} (random weights)", "slo_scale": args.slo_scale,
-                   "requests_per_point": args.requests, "mps": args.mps, **gpu_info()})
+                   "requests_per_point": args.requests, "mps": args.mps, **gpu_info(),
+                   # the profile the pods read, whose capacity sizes the frontend's admission queue
+                   # (twin_agreement.served_door_capacity); "": the shipped one the spec names
+                   "served_profile": Path(args.profile_file).name if args.profile_file else ""})
     if args.mps_share:
         result["mps_shares"] = mps_shares(args.mps_share)
     result.setdefault("systems", {})

@@ -57,6 +57,9 @@ PROFILE_CPU_PRE = RESULTS / "engine_profile_h200_llava7b_cpu_preprocess.json"
 ZERO_LOAD = RESULTS / "twin_path_zero_load_h200.json"
 """The zero-load runs the request path is measured from (not a run the report predicts)."""
 ZERO_LOAD_RATE, ZERO_LOAD_REQUESTS = 0.5, 40
+SERVED_BEFORE_RUN33 = RESULTS / "engine_profile_h200_llava7b_run12.json"
+"""The profile ``gpu_serve.py`` served every run with from run 12 to run 32, H100 runs included (its
+``--profile-file`` default); runs since record theirs (``served_profile``)."""
 BENCH_SEED = 1  # gpu_serve.bench_point's seed for every recorded point
 BAR = {"throughput": 0.05, "ttft_p99": 0.15, "up_to_saturation": 0.9}
 
@@ -510,9 +513,32 @@ def used_kv_ipc(point: dict[str, Any]) -> bool:
     return bool((point.get("decode_loop") or {}).get("ipc_opened"))
 
 
+def served_door_capacity(run: dict[str, Any], system: str, spec: dict[str, Any], tmp: Path) -> float:
+    """The saturation rate the run's frontend sized its admission queue from: that of the profile
+    its pods read (``workers.frontend.measured_capacity``), which for an H100 run up to run 32 is the
+    H200's (``SERVED_BEFORE_RUN33``), not the H100 profile the twin times it with. The twin's door
+    sized from the twin's own profile admitted 2 requests more than the GPU's frontend did on runs
+    28-32 (22 against 20 for the pick, 20 against 18 for Dynamo-style)."""
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.profiles.capacity import saturation_rps
+
+    if (spec.get("engine") or {}).get("profile"):  # runs 1-10: the shipped profile, by name
+        doc = json.loads(json.dumps(spec))
+        doc["model"].pop("path", None)
+        doc["model"].pop("randomWeights", None)
+        doc["engine"] = {"backend": "sim", "profile": spec["engine"]["profile"]}
+    else:
+        name = run.get("served_profile")
+        served = SERVED_BEFORE_RUN33 if name is None else RESULTS / name
+        sub = tmp / "served"
+        sub.mkdir(exist_ok=True)
+        doc = twin_spec(spec, system_profile(system, sub, served, cpu_preprocess_of(served)))
+    return saturation_rps(parse_spec(doc), host_gpus=run.get("host_gpus"))
+
+
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
                mps_caps: dict[str, float] | None = None, model: Any = None, kv_ipc: bool = True,
-               frontends: int = 1) -> dict[str, Any]:
+               frontends: int = 1, door_capacity_rps: float | None = None) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
     ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced). ``model``: the spec's stage
@@ -533,7 +559,7 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
     # the run's own host: its processes time-slice the GPUs they share (sim.timeslice), or run
     # side by side under MPS with SM caps (sim.mpsshare)
     return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps,
-                           kv_ipc=kv_ipc, frontends=frontends).summary
+                           kv_ipc=kv_ipc, frontends=frontends, door_capacity_rps=door_capacity_rps).summary
 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run") -> dict[str, Any]:
@@ -559,9 +585,11 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
             model.decode_row_overhead_s = b / 1e3
         pts = sorted(s.get("points", []), key=lambda p: p["rate"])
         sat = max((p.get("throughput") or 0.0 for p in pts), default=0.0)
+        door = None if system.startswith("aggregated") else served_door_capacity(run, system, s["spec"], tmp)
         rows = []
         for p in pts:
-            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model, used_kv_ipc(p))
+            res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model, used_kv_ipc(p),
+                             door_capacity_rps=door)
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {

@@ -505,3 +505,28 @@ def test_a_cpu_preprocessing_systems_profile_carries_the_hosts_part_of_each_enco
     assert 0 < loaded.encode_host_share(4) < 1
     gpu_only = json.loads(ta.system_profile("easerve:e1p1d1:b1:s1+mps85", tmp_path, prof, cpu).read_text())["engine"]
     assert "encode_host" not in gpu_only and load_profile_file(tmp_path / "profile-gpu.json").encode_host_share(4) == 0.0
+
+
+def test_the_twins_door_sizes_from_the_profile_the_runs_pods_read(tmp_path: Path) -> None:
+    """An H100 run up to run 32 was served with the H200 profile (``gpu_serve.py``'s default then),
+    and its frontend sized the admission queue from that profile's capacity: 20 places for the pick
+    and 18 for Dynamo-style, where the H100 profile the twin times it with gives 22 and 20. The
+    twin's door takes the served profile's capacity; a run that records its served profile
+    (``served_profile``, run 33 on) is taken at its word."""
+    import math
+
+    import twin_agreement as ta
+    from easerve_runtime.profiles.capacity import saturation_rps
+
+    results = REPO / "benchmarks" / "results"
+    run = json.loads((results / "gpu_serve_h100_run31a_300req.json").read_text())
+    h100 = results / "engine_profile_h100_llava7b_run20.json"
+    bounds = {}
+    for system, served in run["systems"].items():
+        door = ta.served_door_capacity(run, system, served["spec"], tmp_path)
+        own = saturation_rps(parse_spec(ta.twin_spec(
+            served["spec"], ta.system_profile(system, tmp_path, h100, ta.cpu_preprocess_of(h100)))), host_gpus=1)
+        bounds[system] = (math.ceil(3 * door), math.ceil(3 * own))
+        recorded = ta.served_door_capacity({**run, "served_profile": h100.name}, system, served["spec"], tmp_path)
+        assert recorded == pytest.approx(own)
+    assert bounds == {"dynamo-style:e1p1d1+mps85": (18, 20), "easerve:e1p1d1:b1:s1+mps85": (20, 22)}

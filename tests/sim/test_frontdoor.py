@@ -63,6 +63,21 @@ def test_the_twin_refuses_what_the_bound_cannot_take_and_nothing_else(llava_spec
     assert [(r.first_token_s, r.finish_s) for r in wide.records] == [(r.first_token_s, r.finish_s) for r in wider.records]
 
 
+def test_the_door_can_size_its_queue_from_another_profiles_capacity(llava_spec):
+    """A twin timed with one profile predicts pods that read another (an H100 run served with the
+    H200 profile): its door sizes from the rate given, and a smaller bound refuses more."""
+    model = cached_model(llava_spec)
+    cap = saturation_rps(llava_spec)
+    door = FrontDoor(llava_spec, frontends=2, capacity_rps=0.5 * cap)
+    assert door.capacity_rps == 0.25 * cap
+    assert door.bound == queue_bound(0.25 * cap, llava_spec.limits.queue_seconds) < FrontDoor(llava_spec, 2).bound
+    over = generate(llava_spec, 1.5 * cap, 200, seed=7)
+    own = simulate_system(llava_spec, over, "easerve", model, frontends=2)
+    given = simulate_system(llava_spec, over, "easerve", model, frontends=2, door_capacity_rps=0.5 * cap)
+    assert given.stats["admission"]["capacity_rps"] == 0.25 * cap
+    assert given.stats["admission"]["refused"] > own.stats["admission"]["refused"]
+
+
 def test_below_capacity_the_door_changes_nothing(llava_spec):
     model = cached_model(llava_spec)
     light = generate(llava_spec, 0.3 * saturation_rps(llava_spec), 150, seed=9)

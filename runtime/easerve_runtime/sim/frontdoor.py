@@ -12,7 +12,9 @@ The bound is computed as the live frontend computes it (``workers.frontend.measu
 the spec's saturation rate (``profiles.capacity.saturation_rps``, the same profile file the pods
 read, not the twin's possibly recalibrated model), on ``host_gpus`` shared GPUs when given, split
 over ``frontends`` frontends (``topology.frontends_for``: one per encode pod on Kubernetes; one under
-``easerve serve``). The queue itself is built by ``policies.admission.admission_queue``, as live.
+``easerve serve``). ``capacity_rps`` gives that rate instead, for a twin whose spec carries another
+profile than the pods read (``benchmarks/twin_agreement.py`` predicts H100 runs whose frontends
+sized their queues from the H200 profile they were served with). The queue itself is built by ``policies.admission.admission_queue``, as live.
 Requests are dealt to the frontends round-robin, as the kubelet harness's kube-proxy deals
 connections (a real kube-proxy in iptables mode picks at random). A refused request records the
 frontend's 429 reason as its error: it counts as failed, never completed.
@@ -28,12 +30,14 @@ from easerve_runtime.sim.stages import Job
 class FrontDoor:
     """``frontends`` admission queues over the twin's virtual time."""
 
-    def __init__(self, spec: EPDDeploymentSpec, frontends: int, host_gpus: int | None = None) -> None:
+    def __init__(self, spec: EPDDeploymentSpec, frontends: int, host_gpus: int | None = None,
+                 capacity_rps: float | None = None) -> None:
         from easerve_runtime.profiles.capacity import saturation_rps
 
         if frontends < 1:
             raise ValueError(f"frontends: must be >= 1, got {frontends}")
-        cap = saturation_rps(spec, host_gpus=host_gpus) / frontends
+        total = saturation_rps(spec, host_gpus=host_gpus) if capacity_rps is None else capacity_rps
+        cap = total / frontends
         self.queues = [admission_queue(spec.limits, cap) for _ in range(frontends)]
         self.capacity_rps = cap
         self._of: dict[int, AdmissionQueue] = {}

@@ -123,6 +123,7 @@ def simulate_system(
     mps_caps: Mapping[str, float] | None = None,
     frontend_starts: Sequence[int] | None = None,
     kv_ipc: bool = True,
+    door_capacity_rps: float | None = None,
 ) -> SimResult:
     """Run ONE configuration of ``system`` (no sweep).
 
@@ -133,7 +134,8 @@ def simulate_system(
     0 admits every request. ``mps_caps``: the pods that share host GPUs run under MPS with these
     per-stage SM caps instead of time-slicing (``sim.mpsshare``). ``frontend_starts``: the
     frontends' rotation starts (``run_pipeline``; None: spread evenly). ``kv_ipc``: KV handoffs on
-    one GPU go by CUDA IPC (``run_pipeline``)."""
+    one GPU go by CUDA IPC (``run_pipeline``). ``door_capacity_rps``: the rate the frontends size
+    their queues from (``run_pipeline``; None: the spec's profile's)."""
     t0 = time.process_time()
     if model is None:
         model = model_for(spec)
@@ -160,7 +162,7 @@ def simulate_system(
 
         jobs, stats = run_pipeline(v, requests, model, batcher_factory=factory, host_gpus=host_gpus,
                                    frontends=frontends, mps_caps=mps_caps, frontend_starts=frontend_starts,
-                                   kv_ipc=kv_ipc)
+                                   kv_ipc=kv_ipc, door_capacity_rps=door_capacity_rps)
         config = _config(v, system)
     records = [j.rec for j in jobs]
     for j in jobs:

@@ -64,6 +64,7 @@ def run_pipeline(
     mps_caps: Mapping[str, float] | None = None,
     frontend_starts: Sequence[int] | None = None,
     kv_ipc: bool = True,
+    door_capacity_rps: float | None = None,
 ) -> tuple[list[Job], dict[str, Any]]:
     """Replay ``requests`` through the pipeline ``spec`` describes; returns jobs and run stats.
 
@@ -80,7 +81,8 @@ def run_pipeline(
     it, ``process_rotation_start``); None: spread evenly (``spread_rotation_starts``).
     ``kv_ipc``: a KV handoff between two processes placed on the same GPU goes by CUDA IPC (the
     profile's ``kv_ipc`` transfer path), as the runtime hands it over by default (``engines.kv_ipc``);
-    False: by the host, as with ``EASERVE_KV_IPC=0``.
+    False: by the host, as with ``EASERVE_KV_IPC=0``. ``door_capacity_rps``: the deployment's
+    saturation rate its frontends size their queues from (None: the spec's profile's, as live).
     """
     s = float(spec.offload.ratio)
     if spec.allocation.prefill.replicas == 0 and s > 0:
@@ -177,7 +179,7 @@ def run_pipeline(
             outstanding[e.name] = e.outstanding
         by_name[picker.pick(names, outstanding)].on_arrival(job)
 
-    door = FrontDoor(spec, frontends, host_gpus) if frontends > 0 else None
+    door = FrontDoor(spec, frontends, host_gpus, door_capacity_rps) if frontends > 0 else None
     if door is None:
         for job in jobs:
             loop.at(job.req.arrival_s + model.request_path_s, arrive, job)
