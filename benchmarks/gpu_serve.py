@@ -463,6 +463,8 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
         runs = result["systems"].setdefault(system, {"points": []})
         done = {p["rate"] for p in runs["points"]}
         rates = [r for r in args.rates if r not in done]
+        if done & set(args.rates):  # resumed: say so, a repeat wants a fresh --out (run 33 lost one this way)
+            log(f"{system}: rate(s) {sorted(done & set(args.rates))} already in {result_path}; not served again")
         if not rates:
             continue
         if time.monotonic() + args.requests / max(rates) + 30 > deadline:  # not even its fastest point fits
