@@ -60,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from easerve_runtime.bench.payloads import PROMPT_FILLER  # noqa: E402
 from easerve_runtime.workers.launcher import MPS_SHARES_ENV, mps_shares  # noqa: E402
 from gpu_systems import SYSTEMS, parse  # noqa: E402  (SYSTEMS: the fixed systems, re-exported)
 
@@ -452,7 +453,10 @@ def _run(args: argparse.Namespace, out: Path, extra_env: dict[str, str]) -> int:
                    "requests_per_point": args.requests, "mps": args.mps, **gpu_info(),
                    # the profile the pods read, whose capacity sizes the frontend's admission queue
                    # (twin_agreement.served_door_capacity); "": the shipped one the spec names
-                   "served_profile": Path(args.profile_file).name if args.profile_file else ""})
+                   "served_profile": Path(args.profile_file).name if args.profile_file else "",
+                   # what the prompts were made of (twin_agreement.prompt_filler_of: runs up to 32
+                   # sent "lorem ", 3.3 tokens a workload token)
+                   "prompt_filler": PROMPT_FILLER})
     if args.mps_share:
         result["mps_shares"] = mps_shares(args.mps_share)
     result.setdefault("systems", {})

@@ -61,6 +61,10 @@ SERVED_BEFORE_RUN33 = RESULTS / "engine_profile_h200_llava7b_run12.json"
 """The profile ``gpu_serve.py`` served every run with from run 12 to run 32, H100 runs included (its
 ``--profile-file`` default); runs since record theirs (``served_profile``)."""
 BENCH_SEED = 1  # gpu_serve.bench_point's seed for every recorded point
+LEGACY_FILLER = "lorem "
+"""The bench's prompt filler up to run 32 (``bench.payloads.PROMPT_FILLER`` since): the local BPE
+splits it into 5 tokens per word, so a workload prompt of N tokens reached the engine as
+``legacy_prompt_tokens(N)`` (128 -> 427)."""
 BAR = {"throughput": 0.05, "ttft_p99": 0.15, "up_to_saturation": 0.9}
 
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -536,9 +540,42 @@ def served_door_capacity(run: dict[str, Any], system: str, spec: dict[str, Any],
     return saturation_rps(parse_spec(doc), host_gpus=run.get("host_gpus"))
 
 
+def legacy_prompt_tokens(n: int) -> int:
+    """The tokens ``easerve bench``'s old text of an ``n``-token prompt (``LEGACY_FILLER`` repeated,
+    cut at ``4 n`` characters) is to the BPE ``easerve model init`` trains: 5 a word, and 0, 2 or 3
+    for the cut word's first 0, 2 or 4 characters (checked against that tokenizer by
+    ``test_the_old_fillers_token_count_is_what_the_tokenizer_made_of_it``)."""
+    chars = 4 * n
+    return 5 * (chars // 6) + (0, 1, 2, 3, 3, 4)[chars % 6]
+
+
+def prompt_filler_of(run: dict[str, Any]) -> str:
+    """The filler a GPU run's bench sent: recorded from run 34 on (``prompt_filler``); run 33, the
+    first at the workload's lengths, records only ``served_profile``, added with the fix;
+    ``LEGACY_FILLER`` before."""
+    from easerve_runtime.bench.payloads import PROMPT_FILLER
+
+    return str(run.get("prompt_filler") or (PROMPT_FILLER if "served_profile" in run else LEGACY_FILLER))
+
+
+def served_requests(reqs: list[Any], filler: str) -> list[Any]:
+    """The workload's requests with the prompt lengths the engine was sent under ``filler``: the
+    twin replays a run at the lengths its GPU prefilled, not at the ones its workload meant."""
+    import dataclasses
+
+    from easerve_runtime.bench.payloads import PROMPT_FILLER
+
+    if filler == PROMPT_FILLER:
+        return reqs
+    if filler != LEGACY_FILLER:
+        raise ValueError(f"prompt_filler: no token count known for {filler!r}")
+    return [dataclasses.replace(r, prompt_tokens=legacy_prompt_tokens(r.prompt_tokens)) for r in reqs]
+
+
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
                mps_caps: dict[str, float] | None = None, model: Any = None, kv_ipc: bool = True,
-               frontends: int = 1, door_capacity_rps: float | None = None) -> dict[str, Any]:
+               frontends: int = 1, door_capacity_rps: float | None = None,
+               filler: str | None = None) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
     ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced). ``model``: the spec's stage
@@ -547,11 +584,16 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
     default), else by the host. ``frontends``: the door (``sim.frontdoor``): ``easerve serve`` runs
     one frontend, which refuses requests (429) once its admission queue is full. Run 28 served past
     saturation: with the door open the twin queued every request and read P99 TTFT 1.3-3.5x the
-    GPU's there; through the door it refuses about as many as the GPU's frontend did."""
+    GPU's there; through the door it refuses about as many as the GPU's frontend did.
+    ``door_capacity_rps``: the rate the door sizes its queue from (``served_door_capacity``; None:
+    the spec's profile's). ``filler``: the run's bench filler (``prompt_filler_of``): the prompts
+    are replayed at the lengths it made (None: the workload's own)."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
     reqs = generate(spec, rate, requests, BENCH_SEED)
+    if filler is not None:
+        reqs = served_requests(reqs, filler)
     if spec.mode == "aggregated":  # the twin's aggregated replica, in the spec's own layout
         agg = spec.aggregated_engine
         layout = (agg.tensor_parallel, max(1, spec.gpu_budget // agg.tensor_parallel), agg.token_budget)
@@ -589,7 +631,7 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
         rows = []
         for p in pts:
             res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model, used_kv_ipc(p),
-                             door_capacity_rps=door)
+                             door_capacity_rps=door, filler=prompt_filler_of(run))
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
@@ -723,10 +765,12 @@ def plot(rep: dict[str, Any], path: Path) -> None:
     log(f"plot: {path}")
 
 
-MPS_GRID = {"contention": (0.1, 0.2, 0.3, 0.4, 0.5), "decode_corun": (0.0, 0.3, 0.6, 0.9),
-            "decode_saturation": (0.05, 0.4), "encode_corun": (0.0, 0.3, 0.6, 0.9, 1.2),
+MPS_GRID = {"contention": (0.0, 0.05, 0.1, 0.2, 0.3, 0.4), "decode_corun": (0.0, 0.3, 0.6, 0.9),
+            "decode_saturation": (0.05, 0.4), "encode_corun": (0.0, 0.3, 0.6, 0.9, 1.2, 1.5, 1.8),
             "decode_contention": (0.0, 0.3)}
-"""The grid ``--mps-fit`` searches. ``decode_row_ms`` is not searched: it is read off the fit runs'
+"""The grid ``--mps-fit`` searches (672 points, ~10 min on 2 cores). Widened 2026-12-07: refitted at
+the lengths the runs prefilled (``prompt_filler_of``), the best point sat on the old grid's edges
+(contention 0.1, encode_corun 1.2). ``decode_row_ms`` is not searched: it is read off the fit runs'
 own decode counters (``capped_step_row_ms``), a measurement, as the hosts' loop cost per row is."""
 MPS_FIT_MAX_RATE = 7.0
 """``--mps-fit`` fits ``sim.mpsshare``'s constants on the capped points at or below this rate and
@@ -747,7 +791,7 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path,
     from gpu_serve import mean_of_repeats
 
     overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
-    groups: dict[tuple[str, float, bool], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float, bool, str], list[dict[str, Any]]] = {}
     specs: dict[str, tuple[Any, int | None]] = {}
     held_files = {str(Path(f).resolve()) for f in run_files(held_out_glob)} if held_out_glob else set()
     files = run_files(runs_glob) + sorted(held_files - {str(Path(f).resolve()) for f in run_files(runs_glob)})
@@ -762,12 +806,13 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path,
                 specs[system] = (parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre))),
                                  run.get("host_gpus"))
             for p in sy.get("points", []):
-                groups.setdefault((system, float(p["rate"]), held), []).append(
+                groups.setdefault((system, float(p["rate"]), held, prompt_filler_of(run)), []).append(
                     {**p, "file": Path(f).name, "loop_row_ms": b})
     out = []
-    for (system, _, held), ps in sorted(groups.items()):
+    for (system, _, held, filler), ps in sorted(groups.items()):
         bs = [q["loop_row_ms"] for q in ps if q.get("loop_row_ms") is not None]
-        p = {**mean_of_repeats(ps), "held_out_run": held, "loop_row_ms": sum(bs) / len(bs) if bs else None}
+        p = {**mean_of_repeats(ps), "held_out_run": held, "loop_row_ms": sum(bs) / len(bs) if bs else None,
+             "prompt_filler": filler}
         out.append((system, specs[system][0], p, specs[system][1]))
     return out
 
@@ -790,7 +835,7 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
         # door open, as the constants were fitted (runs 14-27, up to 7 req/s: below saturation, where
         # the frontend refused at most a few requests)
         res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model, used_kv_ipc(p),
-                         frontends=0)
+                         frontends=0, filler=p.get("prompt_filler"))
         meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
                 "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
         twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),

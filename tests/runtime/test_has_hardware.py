@@ -530,3 +530,35 @@ def test_the_twins_door_sizes_from_the_profile_the_runs_pods_read(tmp_path: Path
         recorded = ta.served_door_capacity({**run, "served_profile": h100.name}, system, served["spec"], tmp_path)
         assert recorded == pytest.approx(own)
     assert bounds == {"dynamo-style:e1p1d1+mps85": (18, 20), "easerve:e1p1d1:b1:s1+mps85": (20, 22)}
+
+
+def test_the_old_fillers_token_count_is_what_the_tokenizer_made_of_it() -> None:
+    """Runs up to 32 sent their prompts made of ``"lorem "``, which the BPE that ``easerve model
+    init`` trains splits into 5 tokens a word: the twin replays them at that length
+    (``legacy_prompt_tokens``), every count from 1 to 700 exactly as the tokenizer reads the old text;
+    a run that records ``served_profile`` (run 33 on) or ``prompt_filler`` is replayed at the
+    workload's own lengths."""
+    import twin_agreement as ta
+    from easerve_runtime.bench.payloads import PROMPT_FILLER
+    from easerve_runtime.models.init import train_tokenizer
+    from easerve_runtime.workload import generate
+
+    tok = train_tokenizer("llava-next")
+    for n in range(1, 701):
+        old = (ta.LEGACY_FILLER * (4 * n // 6 + 1))[: 4 * n]
+        assert ta.legacy_prompt_tokens(n) == len(tok(old)["input_ids"]), n
+    assert ta.legacy_prompt_tokens(128) == 427
+    results = REPO / "benchmarks" / "results"
+    old_run = json.loads((results / "gpu_serve_h100_run31a_300req.json").read_text())
+    new_run = json.loads((results / "gpu_serve_h100_run33a_300req.json").read_text())
+    assert ta.prompt_filler_of(old_run) == ta.LEGACY_FILLER and ta.prompt_filler_of(new_run) == PROMPT_FILLER
+    spec = parse_spec(ta.twin_spec(new_run["systems"]["easerve:e1p1d1:b1:s1+mps85"]["spec"],
+                                   results / "engine_profile_h100_llava7b_run20.json"))
+    reqs = generate(spec, 7.0, 50, ta.BENCH_SEED)
+    assert ta.served_requests(reqs, PROMPT_FILLER) is reqs
+    replayed = ta.served_requests(reqs, ta.LEGACY_FILLER)
+    assert [r.prompt_tokens for r in replayed] == [ta.legacy_prompt_tokens(r.prompt_tokens) for r in reqs]
+    assert [(r.media_tokens, r.output_tokens, r.arrival_s) for r in replayed] == [
+        (r.media_tokens, r.output_tokens, r.arrival_s) for r in reqs]
+    with pytest.raises(ValueError, match="prompt_filler"):
+        ta.served_requests(reqs, "ipsum ")
