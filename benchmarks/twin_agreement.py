@@ -604,7 +604,8 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
                            kv_ipc=kv_ipc, frontends=frontends, door_capacity_rps=door_capacity_rps).summary
 
 
-def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run") -> dict[str, Any]:
+def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run",
+            lengths: str = "served") -> dict[str, Any]:
     """The twin's prediction of each point of one GPU run, beside the measured figures. ``host_loop``
     ``run``: the twin's decode loop costs the run host's own time per row (``host_loop_row_ms``,
     read off the run's loop counters: a property of its CPU, as a profile measured on that host
@@ -631,7 +632,7 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
         rows = []
         for p in pts:
             res = twin_point(spec, p["rate"], int(p["requests"]), run.get("host_gpus"), caps, model, used_kv_ipc(p),
-                             door_capacity_rps=door, filler=prompt_filler_of(run))
+                             door_capacity_rps=door, filler=prompt_filler_of(run) if lengths == "served" else None)
             m_tp, m_ttft = p.get("throughput"), p.get("ttft_p99")
             t_tp, t_ttft = res.get("throughput"), (res.get("ttft") or {}).get("p99")
             row = {
@@ -681,8 +682,10 @@ def diagnose(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_serve_h200_*.json"),
-           host_loop: str = "run") -> dict[str, Any]:
-    """The twin fed ``profile`` against every GPU run that ``runs_glob`` matches (``host_loop``: ``predict``'s)."""
+           host_loop: str = "run", lengths: str = "served") -> dict[str, Any]:
+    """The twin fed ``profile`` against every GPU run that ``runs_glob`` matches (``host_loop``: ``predict``'s).
+    ``lengths``: ``served`` replays each run at the prompt lengths its bench sent (``prompt_filler_of``);
+    ``workload`` at the workload's own, as every report before 2026-12-07 did (to reproduce them)."""
     if not profile.exists():
         raise SystemExit(f"{profile} is missing: run --measure on the GPU machine first")
     prof = json.loads(profile.read_text())
@@ -699,9 +702,9 @@ def report(profile: Path, cpu_pre: Path, runs_glob: str = str(RESULTS / "gpu_ser
             runs.append({"file": str(Path(f).resolve().relative_to(REPO)), "gpu": run.get("gpu"),
                          "host_gpus": run.get("host_gpus"), "mps": bool(run.get("mps")),
                          "requests_per_point": run.get("requests_per_point"),
-                         "systems": predict(run, Path(t), profile, cpu_pre, host_loop)})
+                         "systems": predict(run, Path(t), profile, cpu_pre, host_loop, lengths)})
     return {"bench": "twin_agreement", "measured": "gpu (runs) vs twin (prediction)", "profile": prof["profile"],
-            "profile_source": prof["engine"]["device"], "host_loop": host_loop,
+            "profile_source": prof["engine"]["device"], "host_loop": host_loop, "lengths": lengths,
             "ratios_measured_over_model": p.corrections.summary(),
             "bar": BAR, "runs": runs}
 
@@ -1068,6 +1071,9 @@ def main() -> int:
     p.add_argument("--host-loop", default="run", choices=["run", "profile"],
                    help="the decode loop's host time per row the twin charges for a run: the run's own host's, read "
                         "off its loop counters (run), or the profile's decode_loop_row_ms (profile)")
+    p.add_argument("--lengths", default="served", choices=["served", "workload"],
+                   help="the prompt lengths each run is replayed at: those its bench sent (served: runs up to 32 "
+                        "sent ~3.3x their text prompts) or the workload's own (how reports before 2026-12-07 ran)")
     p.add_argument("--held-out", default="",
                    help="with --mps-fit: runs (globs) whose points are held out of the fit (other hosts)")
     p.add_argument("--encode-check", action="store_true",
@@ -1104,7 +1110,7 @@ def main() -> int:
         print(json.dumps(calibrate_path(Path(args.calibrate_path), Path(args.profile),
                                         Path(args.profile_cpu_preprocess)), indent=1))
         return 0
-    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.host_loop)
+    rep = report(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.host_loop, args.lengths)
     print(json.dumps(rep, indent=1))
     plot(rep, Path(args.plot or REPO / "docs" / "img" / "twin_agreement.png"))
     return 0

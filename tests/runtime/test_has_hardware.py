@@ -562,3 +562,21 @@ def test_the_old_fillers_token_count_is_what_the_tokenizer_made_of_it() -> None:
         (r.media_tokens, r.output_tokens, r.arrival_s) for r in reqs]
     with pytest.raises(ValueError, match="prompt_filler"):
         ta.served_requests(reqs, "ipsum ")
+
+
+def test_a_report_replays_old_runs_at_their_served_lengths_unless_told_the_workloads() -> None:
+    """``--lengths served`` (the default) replays run 31 with its longer prompts, and so predicts it
+    otherwise than ``--lengths workload`` (how reports before 2026-12-07 ran); run 33, sent at the
+    workload's lengths, reads the same either way."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    prof, cpu = results / "engine_profile_h100_llava7b_run20.json", results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json"
+
+    def twin(run: str, lengths: str) -> list[dict[str, float]]:
+        rep = ta.report(prof, cpu, str(results / run), lengths=lengths)
+        assert rep["lengths"] == lengths
+        return [p["twin"] for s in rep["runs"][0]["systems"].values() for p in s["points"]]
+
+    assert twin("gpu_serve_h100_run31a_300req.json", "served") != twin("gpu_serve_h100_run31a_300req.json", "workload")
+    assert twin("gpu_serve_h100_run33c_300req.json", "served") == twin("gpu_serve_h100_run33c_300req.json", "workload")
