@@ -59,7 +59,8 @@ ZERO_LOAD = RESULTS / "twin_path_zero_load_h200.json"
 ZERO_LOAD_RATE, ZERO_LOAD_REQUESTS = 0.5, 40
 SERVED_BEFORE_RUN33 = RESULTS / "engine_profile_h200_llava7b_run12.json"
 """The profile ``gpu_serve.py`` served every run with from run 12 to run 32, H100 runs included (its
-``--profile-file`` default); runs since record theirs (``served_profile``)."""
+``--profile-file`` default; run 11 served ``..._run11.json``, and no run-11 file that names a profile
+file is committed); runs since record theirs (``served_profile``)."""
 BENCH_SEED = 1  # gpu_serve.bench_point's seed for every recorded point
 LEGACY_FILLER = "lorem "
 """The bench's prompt filler up to run 32 (``bench.payloads.PROMPT_FILLER`` since): the local BPE
@@ -550,9 +551,9 @@ def legacy_prompt_tokens(n: int) -> int:
 
 
 def prompt_filler_of(run: dict[str, Any]) -> str:
-    """The filler a GPU run's bench sent: recorded from run 34 on (``prompt_filler``); run 33, the
-    first at the workload's lengths, records only ``served_profile``, added with the fix;
-    ``LEGACY_FILLER`` before."""
+    """The filler a GPU run's bench sent: ``prompt_filler`` where the run records it (from run 34 on);
+    run 33, the first sent at the workload's lengths, predates that field and is told by its
+    ``served_profile`` (recorded from run 33 on); every run before it sent ``LEGACY_FILLER``."""
     from easerve_runtime.bench.payloads import PROMPT_FILLER
 
     return str(run.get("prompt_filler") or (PROMPT_FILLER if "served_profile" in run else LEGACY_FILLER))

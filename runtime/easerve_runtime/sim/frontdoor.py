@@ -14,7 +14,8 @@ read, not the twin's possibly recalibrated model), on ``host_gpus`` shared GPUs 
 over ``frontends`` frontends (``topology.frontends_for``: one per encode pod on Kubernetes; one under
 ``easerve serve``). ``capacity_rps`` gives that rate instead, for a twin whose spec carries another
 profile than the pods read (``benchmarks/twin_agreement.py`` predicts H100 runs whose frontends
-sized their queues from the H200 profile they were served with). The queue itself is built by ``policies.admission.admission_queue``, as live.
+sized their queues from the H200 profile they were served with). The queue itself is built by
+``policies.admission.admission_queue``, as live.
 Requests are dealt to the frontends round-robin, as the kubelet harness's kube-proxy deals
 connections (a real kube-proxy in iptables mode picks at random). A refused request records the
 frontend's 429 reason as its error: it counts as failed, never completed.
