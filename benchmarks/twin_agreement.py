@@ -435,13 +435,19 @@ def calibrate_aggregated(run_globs: str, profile: Path, write: bool = False) -> 
     return out
 
 
-def twin_spec(spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
-    """A run's spec, served by the sim engine on the measured profile (and its model's name)."""
+def sim_spec(spec: dict[str, Any], engine: dict[str, Any]) -> dict[str, Any]:
+    """A copy of a run's spec served by the sim engine with ``engine``'s profile (no weights to load)."""
     d = json.loads(json.dumps(spec))
-    d["model"]["name"] = json.loads(pfile.read_text())["profile"].split("@")[0]
     d["model"].pop("path", None)
     d["model"].pop("randomWeights", None)
-    d["engine"] = {"backend": "sim", "profileFile": str(pfile)}
+    d["engine"] = {"backend": "sim", **engine}
+    return d
+
+
+def twin_spec(spec: dict[str, Any], pfile: Path) -> dict[str, Any]:
+    """A run's spec, served by the sim engine on the measured profile (and its model's name)."""
+    d = sim_spec(spec, {"profileFile": str(pfile)})
+    d["model"]["name"] = json.loads(pfile.read_text())["profile"].split("@")[0]
     return d
 
 
@@ -528,10 +534,7 @@ def served_door_capacity(run: dict[str, Any], system: str, spec: dict[str, Any],
     from easerve_runtime.profiles.capacity import saturation_rps
 
     if (spec.get("engine") or {}).get("profile"):  # runs 1-10: the shipped profile, by name
-        doc = json.loads(json.dumps(spec))
-        doc["model"].pop("path", None)
-        doc["model"].pop("randomWeights", None)
-        doc["engine"] = {"backend": "sim", "profile": spec["engine"]["profile"]}
+        doc = sim_spec(spec, {"profile": spec["engine"]["profile"]})
     else:
         name = run.get("served_profile")
         served = SERVED_BEFORE_RUN33 if name is None else RESULTS / name
