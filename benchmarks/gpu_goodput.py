@@ -54,6 +54,9 @@ EXCLUDED: dict[tuple[str, str], str] = {
     ("gpu_serve_h100_run18b_300req.json", "easerve:e1p0d1:b6:s0+mps85"): f"{_RACY_KV}: 8 KV slots (39 in run18c)",
     ("gpu_serve_h100_run18b_300req.json", "easerve:e1p0d1:b1:s0+mps85"): f"{_RACY_KV}: its KV slots are not "
     "on record (its decode batches reached 17-32 rows; 39 slots in run18d)",
+    **{("gpu_serve_h100_run34d_300req.json", s): "a probe: served with the H200's profile (the door sized "
+       "for another card's capacity, as runs up to 32 were), not the run's setup" for s in
+       ("easerve:e1p1d1:b1:s1+mps85", "dynamo-style:e1p1d1+mps85")},
 }
 """Points on record that measured something else, by (file, system), with why. They stay in their
 raw file; the summary leaves them out and lists them under ``excluded``."""
