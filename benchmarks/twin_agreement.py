@@ -579,7 +579,7 @@ def served_requests(reqs: list[Any], filler: str) -> list[Any]:
 def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: int | None,
                mps_caps: dict[str, float] | None = None, model: Any = None, kv_ipc: bool = True,
                frontends: int = 1, door_capacity_rps: float | None = None,
-               filler: str | None = None) -> dict[str, Any]:
+               filler: str | None = None, stages: bool = False) -> dict[str, Any]:
     """The twin's summary of one GPU point: ``spec`` (a run's spec as ``twin_spec`` makes it) on the
     bench's requests (``workload.generate`` at that rate and count, the bench's seed) on a host of
     ``host_gpus`` GPUs (under MPS with ``mps_caps``, else time-sliced). ``model``: the spec's stage
@@ -591,7 +591,8 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
     GPU's there; through the door it refuses about as many as the GPU's frontend did.
     ``door_capacity_rps``: the rate the door sizes its queue from (``served_door_capacity``; None:
     the spec's profile's). ``filler``: the run's bench filler (``prompt_filler_of``): the prompts
-    are replayed at the lengths it made (None: the workload's own)."""
+    are replayed at the lengths it made (None: the workload's own). ``stages``: the summary also
+    carries ``stage_over_profile`` (``stage_ratios``), what the workers' counters read on the GPU."""
     from easerve_runtime.sim import simulate_system
     from easerve_runtime.workload import generate
 
@@ -604,8 +605,33 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
         return simulate_system(spec, reqs, "aggregated", layout=layout).summary
     # the run's own host: its processes time-slice the GPUs they share (sim.timeslice), or run
     # side by side under MPS with SM caps (sim.mpsshare)
-    return simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps,
-                           kv_ipc=kv_ipc, frontends=frontends, door_capacity_rps=door_capacity_rps).summary
+    res = simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps,
+                          kv_ipc=kv_ipc, frontends=frontends, door_capacity_rps=door_capacity_rps)
+    return {**res.summary, "stage_over_profile": stage_ratios(res.stats)} if stages else res.summary
+
+
+def stage_ratios(stats: dict[str, Any]) -> dict[str, float]:
+    """Each stage's time over its profile's for the same batches, as the twin ran them (``encode``,
+    and each prefill stage by name: ``prefill``, ``local-prefill``): the figures the workers'
+    counters read on the GPU (``engine_over_profile``)."""
+    out = {}
+    if stats.get("encode_over_profile"):
+        out["encode"] = float(stats["encode_over_profile"])
+    for st, v in (stats.get("prefill") or {}).items():
+        if v.get("over_profile") is not None:
+            out[st] = float(v["over_profile"])
+    return out
+
+
+def gpu_stage_ratios(point: dict[str, Any]) -> dict[str, float]:
+    """``stage_ratios``'s figures off a GPU point's counters (run 17 on; empty before)."""
+    out = {}
+    if (point.get("encode") or {}).get("engine_over_profile"):
+        out["encode"] = float(point["encode"]["engine_over_profile"])
+    for st, v in (point.get("prefill") or {}).items():
+        if isinstance(v, dict) and v.get("engine_over_profile"):
+            out[st] = float(v["engine_over_profile"])
+    return out
 
 
 def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_loop: str = "run",
@@ -842,7 +868,7 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
         # door open, as the constants were fitted (runs 14-27, up to 7 req/s: below saturation, where
         # the frontend refused at most a few requests)
         res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model, used_kv_ipc(p),
-                         frontends=0, filler=p.get("prompt_filler"))
+                         frontends=0, filler=p.get("prompt_filler"), stages=_FIT.get("stages", False))
         meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
                 "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
         twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
@@ -850,6 +876,12 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
                 "throughput": res.get("throughput")}
         err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
                for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
+        stage_rows = {}
+        if _FIT.get("stages"):  # each stage's time against its counters, where the point has them
+            gpu_st, twin_st = gpu_stage_ratios(p), res.get("stage_over_profile") or {}
+            for k in sorted(set(gpu_st) & set(twin_st)):
+                err[f"{k}_over_profile"] = abs(math.log(twin_st[k] / gpu_st[k]))
+                stage_rows[k] = {"gpu": round(gpu_st[k], 3), "twin": round(twin_st[k], 3)}
         bar = (bool(meas["throughput"]) and twin["throughput"] is not None and bool(meas["ttft_p99"])
                and twin["ttft_p99"] is not None and abs(twin["throughput"] / meas["throughput"] - 1) <= BAR["throughput"]
                and abs(twin["ttft_p99"] / meas["ttft_p99"] - 1) <= BAR["ttft_p99"])
@@ -857,12 +889,13 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
                      "held_out": p["rate"] > MPS_FIT_MAX_RATE or bool(p.get("held_out_run")),
                      "repeats": len(p.get("repeats", [])) or 1, "loop_row_ms": p.get("loop_row_ms"),
                      "measured": meas, "twin": twin, "meets_bar": bar,
-                     "abs_log_error": {k: round(v, 3) for k, v in err.items()}})
+                     "abs_log_error": {k: round(v, 3) for k, v in err.items()},
+                     **({"stage_over_profile": stage_rows} if stage_rows else {})})
     return rows
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "",
-            host_loop: str = "run") -> dict[str, Any]:
+            host_loop: str = "run", stages: bool = False) -> dict[str, Any]:
     """Calibrate the MPS twin's constants (``engine.mps``: ``MPS_KEYS``) on the ``+mpsNN`` points of
     the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
     p50 and P99 TTFT at the fit points; the held-out points' errors (above ``MPS_FIT_MAX_RATE``, and
@@ -873,7 +906,13 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     the profile's). Each grid point rides on a copy of each system's stage model
     (``StageModel.mps_constants``, which ``sim.mpsshare.MPSSharing`` reads before its module
     values), so the fit sets no global state and the profile's own constants are only its starting
-    point. The grid runs on every core (forked workers)."""
+    point. The grid runs on every core (forked workers).
+
+    ``stages`` (``--fit-stages``): each point's error also averages in each stage's time over its
+    profile against the workers' counters (``gpu_stage_ratios``: the encoder and each prefill
+    stage), where the point has them. Why: fitted on the three end-to-end figures alone, runs 33-34
+    put the contention at 0.05 and bought TTFT back with an encoder co-run term of 1.8, which
+    charges the encoder 1.3-1.6x what its counters read; the valley is flat along that trade."""
     import itertools
     import multiprocessing
 
@@ -888,11 +927,11 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
         models = {system: model_for(spec) for system, spec, _, _ in pts}
     if not pts:
         raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
-    _FIT.update(pts=pts, models=models, keys=MPS_KEYS, host_loop=host_loop)
+    _FIT.update(pts=pts, models=models, keys=MPS_KEYS, host_loop=host_loop, stages=stages)
 
     def score(rows: list[dict[str, Any]], held_out: bool) -> float:
         sel = [r for r in rows if r["held_out"] == held_out]
-        return sum(sum(r["abs_log_error"].values()) / 3 for r in sel) / max(1, len(sel))
+        return sum(sum(r["abs_log_error"].values()) / len(r["abs_log_error"]) for r in sel) / max(1, len(sel))
 
     def bar(rows: list[dict[str, Any]], held_out: bool) -> str:
         sel = [r for r in rows if r["held_out"] == held_out]
@@ -918,7 +957,9 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     cols = (*MPS_KEYS, "fit_error", "held_out_error", "fit_bar", "held_out_bar")
     return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
             "held_out_runs": held_out_glob or None, "host_loop": host_loop, "decode_row_ms_from_counters": row_ms,
-            "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT",
+            "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT"
+                     + (" and each stage's time over its profile (the workers' counters)" if stages else ""),
+            "fit_stages": stages,
             "in_code": {**dict(zip(MPS_KEYS, now, strict=True)), "fit_error": round(score(in_code, False), 4),
                         "held_out_error": round(score(in_code, True), 4), "fit_bar": bar(in_code, False),
                         "held_out_bar": bar(in_code, True),
@@ -1048,6 +1089,8 @@ def main() -> int:
     p.add_argument("--mps-fit", action="store_true",
                    help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
                         "the rest held out); prints the grid and the best point")
+    p.add_argument("--fit-stages", action="store_true",
+                   help="--mps-fit: also score each stage's time over its profile against the workers' counters")
     p.add_argument("--write-profile", action="store_true",
                    help="with --mps-fit: write the best constants into --profile and --profile-cpu-preprocess "
                         "(engine.mps, the card's own; the twin reads them instead of sim.mpsshare's); with "
@@ -1098,7 +1141,8 @@ def main() -> int:
         print(json.dumps(encode_check(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs), indent=1))
         return 0
     if args.mps_fit:
-        fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.held_out, args.host_loop)
+        fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.held_out, args.host_loop,
+                      stages=args.fit_stages)
         if args.write_profile:
             fit["written"] = write_mps(fit, [Path(args.profile), Path(args.profile_cpu_preprocess)], args.runs)
         print(json.dumps(fit, indent=1))
