@@ -1005,15 +1005,15 @@ def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]
     rows = []
     with tempfile.TemporaryDirectory() as t:
         for system, spec, p, host in mps_points(profile, cpu_pre, runs_glob, Path(t)):
-            enc = p.get("encode") or {}
-            if not enc.get("engine_over_profile"):
+            enc, gpu_st = p.get("encode") or {}, gpu_stage_ratios(p)
+            if "encode" not in gpu_st:
                 continue
             reqs = generate(spec, p["rate"], int(p["requests"]), BENCH_SEED)
             res = simulate_system(spec, reqs, "easerve", host_gpus=host, mps_caps=mps_caps_of(system))
-            twin = float(res.stats.get("encode_over_profile") or 0.0)
+            twin_st = stage_ratios(res.stats)
             gpf = p.get("prefill") or {}
             rows.append({"system": system, "rate": p["rate"],
-                         "encode_over_profile": {"gpu": enc["engine_over_profile"], "twin": round(twin, 3)},
+                         "encode_over_profile": {"gpu": gpu_st["encode"], "twin": round(twin_st.get("encode", 0.0), 3)},
                          "requests_per_batch": {"gpu": enc.get("requests_per_batch"),
                                                 "twin": round(float(res.stats.get("mean_encode_batch") or 0.0), 2)},
                          # absolute times, as the counters read them: no profile in between
@@ -1022,9 +1022,8 @@ def encode_check(profile: Path, cpu_pre: Path, runs_glob: str) -> dict[str, Any]
                          "encode_queue_wait_ms": {"gpu": enc.get("queue_wait_ms_mean"),
                                                   "twin": round(float(res.stats.get("encode_queue_wait_ms_mean") or 0.0), 2)},
                          "prefill_over_profile": {
-                             st: {"gpu": gpf.get(st, {}).get("engine_over_profile"),
-                                  "twin": None if v["over_profile"] is None else round(float(v["over_profile"]), 3)}
-                             for st, v in (res.stats.get("prefill") or {}).items()},
+                             st: {"gpu": gpu_st.get(st), "twin": None if st not in twin_st else round(twin_st[st], 3)}
+                             for st in (res.stats.get("prefill") or {})},
                          "prefill_ms_per_batch": {
                              st: {"gpu": gpf.get(st, {}).get("engine_ms_per_batch"), "twin": round(float(v["ms_per_batch"]), 2)}
                              for st, v in (res.stats.get("prefill") or {}).items()},
