@@ -14,7 +14,7 @@ trap 'rm -rf "$tmp"' EXIT
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
     -d "$tmp" ai-dynamo-runtime==1.6.1
 (cd "$tmp" && unzip -q ai_dynamo_runtime-*.whl 'dynamo/*')
-rm -rf .devsite/dynamo && mv "$tmp/dynamo" .devsite/dynamo
+mkdir -p .devsite && rm -rf .devsite/dynamo && mv "$tmp/dynamo" .devsite/dynamo
 strip --strip-unneeded .devsite/dynamo/_core.abi3.so   # the dynamic symbols Python loads stay
 xz -9 -T0 .devsite/dynamo/_core.abi3.so   # -> _core.abi3.so.xz
 $PY -m pip download -q --only-binary=:all: --python-version 3.12 \
