@@ -814,17 +814,19 @@ MPS_KEYS = MPS_CONSTANTS  # the constants a profile may carry (engine.mps), in o
 
 
 def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path,
-               held_out_glob: str = "") -> list[tuple[str, Any, dict[str, Any], int | None]]:
+               held_out_glob: str = "", door: bool = False) -> list[tuple[str, Any, dict[str, Any], int | None]]:
     """The ``+mpsNN`` points of the runs (and of ``held_out_glob``'s, marked ``held_out_run``), one
     per (system, rate, held out or not): a point measured more than once is the mean of its
     repeats (``gpu_serve.mean_of_repeats``), so a repeat neither counts twice nor is dropped. Each
     point carries its host's decode-loop cost per row (``loop_row_ms``: the mean over its runs'
-    files, ``host_loop_row_ms``)."""
+    files, ``host_loop_row_ms``). ``door``: each point also carries the rate its frontend sized
+    its admission queue from (``door_rps``, ``served_door_capacity``), and repeats served behind
+    doors of different sizes (run 34d read the H200's profile) stay separate points."""
     from easerve_runtime.api import parse_spec
     from gpu_serve import mean_of_repeats
 
     overhead = float((json.loads(profile.read_text()).get("engine") or {}).get("decode_loop_overhead_ms") or 0.0)
-    groups: dict[tuple[str, float, bool, str], list[dict[str, Any]]] = {}
+    groups: dict[tuple[str, float, bool, str, float], list[dict[str, Any]]] = {}
     specs: dict[str, tuple[Any, int | None]] = {}
     held_files = {str(Path(f).resolve()) for f in run_files(held_out_glob)} if held_out_glob else set()
     files = run_files(runs_glob) + sorted(held_files - {str(Path(f).resolve()) for f in run_files(runs_glob)})
@@ -838,14 +840,15 @@ def mps_points(profile: Path, cpu_pre: Path, runs_glob: str, tmp: Path,
             if system not in specs:
                 specs[system] = (parse_spec(twin_spec(sy["spec"], system_profile(system, tmp, profile, cpu_pre))),
                                  run.get("host_gpus"))
+            door_rps = round(served_door_capacity(run, system, sy["spec"], tmp), 4) if door else 0.0
             for p in sy.get("points", []):
-                groups.setdefault((system, float(p["rate"]), held, prompt_filler_of(run)), []).append(
+                groups.setdefault((system, float(p["rate"]), held, prompt_filler_of(run), door_rps), []).append(
                     {**p, "file": Path(f).name, "loop_row_ms": b})
     out = []
-    for (system, _, held, filler), ps in sorted(groups.items()):
+    for (system, _, held, filler, door_rps), ps in sorted(groups.items()):
         bs = [q["loop_row_ms"] for q in ps if q.get("loop_row_ms") is not None]
         p = {**mean_of_repeats(ps), "held_out_run": held, "loop_row_ms": sum(bs) / len(bs) if bs else None,
-             "prompt_filler": filler}
+             "prompt_filler": filler, **({"door_rps": door_rps} if door else {})}
         out.append((system, specs[system][0], p, specs[system][1]))
     return out
 
@@ -865,15 +868,17 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
         model.mps_constants = dict(zip(_FIT["keys"], values, strict=True))
         if _FIT["host_loop"] == "run" and p.get("loop_row_ms") is not None:
             model.decode_row_overhead_s = p["loop_row_ms"] / 1e3
-        # door open, as the constants were fitted (runs 14-27, up to 7 req/s: below saturation, where
-        # the frontend refused at most a few requests)
+        # door open, as the constants were first fitted (runs 14-27, up to 7 req/s: below saturation,
+        # where the frontend refused at most a few requests); with --fit-door, the served door
+        door = p.get("door_rps")
         res = twin_point(spec, p["rate"], int(p["requests"]), host, mps_caps_of(system), model, used_kv_ipc(p),
-                         frontends=0, filler=p.get("prompt_filler"), stages=_FIT.get("stages", False))
+                         frontends=1 if door else 0, door_capacity_rps=door, filler=p.get("prompt_filler"),
+                         stages=_FIT.get("stages", False))
         meas = {"goodput_moderate": (p.get("goodput") or {}).get("moderate"), "tpot_p50": p["tpot"]["p50"],
                 "ttft_p99": p["ttft"]["p99"], "throughput": p.get("throughput")}
         twin = {"goodput_moderate": (res.get("goodput") or {}).get("moderate"),
                 "tpot_p50": (res.get("tpot") or {}).get("p50"), "ttft_p99": (res.get("ttft") or {}).get("p99"),
-                "throughput": res.get("throughput")}
+                "throughput": res.get("throughput"), "failed": res.get("failed")}
         err = {k: abs(math.log(max(twin[k] or 1e-3, 1e-3) / max(meas[k] or 1e-3, 1e-3)))
                for k in ("goodput_moderate", "tpot_p50", "ttft_p99")}
         stage_rows = {}
@@ -895,7 +900,7 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "",
-            host_loop: str = "run", stages: bool = False) -> dict[str, Any]:
+            host_loop: str = "run", stages: bool = False, door: bool = False) -> dict[str, Any]:
     """Calibrate the MPS twin's constants (``engine.mps``: ``MPS_KEYS``) on the ``+mpsNN`` points of
     the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
     p50 and P99 TTFT at the fit points; the held-out points' errors (above ``MPS_FIT_MAX_RATE``, and
@@ -912,7 +917,13 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     profile against the workers' counters (``gpu_stage_ratios``: the encoder and each prefill
     stage), where the point has them. Why: fitted on the three end-to-end figures alone, runs 33-34
     put the contention at 0.05 and bought TTFT back with an encoder co-run term of 1.8, which
-    charges the encoder 1.3-1.6x what its counters read; the valley is flat along that trade."""
+    charges the encoder 1.3-1.6x what its counters read; the valley is flat along that trade.
+
+    ``door`` (``--fit-door``): each point's twin runs behind the door its frontend served
+    (``twin_point``'s ``frontends=1`` at the point's ``door_rps``), as ``twin_agreement``'s own
+    report does. Why: without it the held-out points past saturation (runs 33-34 at 10-12 req/s)
+    queued every request and read P99 TTFT up to 5x the GPU's, so their errors ranked the grid by
+    a door the pods do not have."""
     import itertools
     import multiprocessing
 
@@ -923,7 +934,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     measured_rows = capped_step_row_ms(runs_glob, profile)
     row_ms = measured_rows["decode_row_ms"]
     with tempfile.TemporaryDirectory() as t:  # the specs name profile files written here
-        pts = mps_points(profile, cpu_pre, runs_glob, Path(t), held_out_glob)
+        pts = mps_points(profile, cpu_pre, runs_glob, Path(t), held_out_glob, door)
         models = {system: model_for(spec) for system, spec, _, _ in pts}
     if not pts:
         raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
@@ -959,7 +970,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
             "held_out_runs": held_out_glob or None, "host_loop": host_loop, "decode_row_ms_from_counters": row_ms,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT"
                      + (" and each stage's time over its profile (the workers' counters)" if stages else ""),
-            "fit_stages": stages,
+            "fit_stages": stages, "fit_door": door,
             "in_code": {**dict(zip(MPS_KEYS, now, strict=True)), "fit_error": round(score(in_code, False), 4),
                         "held_out_error": round(score(in_code, True), 4), "fit_bar": bar(in_code, False),
                         "held_out_bar": bar(in_code, True),
@@ -1090,6 +1101,9 @@ def main() -> int:
                         "the rest held out); prints the grid and the best point")
     p.add_argument("--fit-stages", action="store_true",
                    help="--mps-fit: also score each stage's time over its profile against the workers' counters")
+    p.add_argument("--fit-door", action="store_true",
+                   help="--mps-fit: run each point's twin behind the door its frontend served (as the report does), "
+                        "not with the door open")
     p.add_argument("--write-profile", action="store_true",
                    help="with --mps-fit: write the best constants into --profile and --profile-cpu-preprocess "
                         "(engine.mps, the card's own; the twin reads them instead of sim.mpsshare's); with "
@@ -1141,7 +1155,7 @@ def main() -> int:
         return 0
     if args.mps_fit:
         fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.held_out, args.host_loop,
-                      stages=args.fit_stages)
+                      stages=args.fit_stages, door=args.fit_door)
         if args.write_profile:
             fit["written"] = write_mps(fit, [Path(args.profile), Path(args.profile_cpu_preprocess)], args.runs)
         print(json.dumps(fit, indent=1))

@@ -320,6 +320,40 @@ def test_the_mps_fit_can_score_each_stage_against_the_workers_counters(monkeypat
     assert [g["fit_error"] for g in staged["grid"]] != [g["fit_error"] for g in plain["grid"]]
 
 
+def test_the_mps_fit_can_run_each_point_behind_the_door_it_was_served_through(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--mps-fit --fit-door``: each point's twin runs behind its frontend's door, sized as the run's
+    pods sized it. Run 34c and 34d served the same two systems at 10 req/s, the pods reading the H100's
+    and the H200's profile: with the door they are four points at two door sizes, not two means of
+    repeats. Run 34e (the pick at 11 and 12 req/s, past saturation): with the door open the twin
+    queues every request and its P99 TTFT reads over twice the GPU's; behind the door it refuses
+    requests as the frontend did, and reads nearer the GPU's at both rates."""
+    import twin_agreement as ta
+
+    results = REPO / "benchmarks" / "results"
+    profile = results / "engine_profile_h100_llava7b_run20.json"
+    cpu_pre = results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json"
+    cd = f"{results}/gpu_serve_h100_run34c_300req.json,{results}/gpu_serve_h100_run34d_300req.json"
+    with tempfile.TemporaryDirectory() as t:
+        open_ = ta.mps_points(profile, cpu_pre, cd, Path(t))
+        door = ta.mps_points(profile, cpu_pre, cd, Path(t), door=True)
+    assert [len(p["repeats"]) for _, _, p, _ in open_] == [2, 2] and all("door_rps" not in p for _, _, p, _ in open_)
+    assert len(door) == 4
+    for system in {s for s, _, _, _ in door}:
+        sizes = sorted(p["door_rps"] for s, _, p, _ in door if s == system)
+        assert len(sizes) == 2 and 0 < sizes[0] < sizes[1]
+
+    monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.2,), "decode_corun": (0.0,), "decode_saturation": (0.05,),
+                                         "encode_corun": (0.9,), "decode_contention": (0.0,)})
+    e = str(results / "gpu_serve_h100_run34e_300req.json")
+    plain, behind = ta.mps_fit(profile, cpu_pre, e), ta.mps_fit(profile, cpu_pre, e, door=True)
+    assert behind["fit_door"] and not plain["fit_door"]
+    for o, d in zip(plain["points"], behind["points"], strict=True):
+        gpu = o["measured"]["ttft_p99"]
+        assert o["twin"]["ttft_p99"] > 2 * gpu
+        assert abs(d["twin"]["ttft_p99"] / gpu - 1) < abs(o["twin"]["ttft_p99"] / gpu - 1)
+        assert (d["twin"]["failed"] or 0) > 0 == (o["twin"]["failed"] or 0)
+
+
 def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(tmp_path: Path) -> None:
     """``twin_agreement.py --calibrate-loop`` on runs 25-26 (two H100 hosts): the GPU's per-row term is
     the capped points' engine step over the profile's at the same rows, through the origin; the
