@@ -545,6 +545,31 @@ def goodput_of(point: dict[str, Any], tier: str) -> float:
     return float(v or 0.0)
 
 
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _mean_tree(ds: list[dict[str, Any]]) -> dict[str, Any]:
+    """``mean_of_repeats``'s figures: each number every repeat has is their mean; a dict of numbers
+    (goodput per tier) is the mean key by key over the keys any repeat has (absent: 0); a dict of
+    dicts (the workers' counters, ``encode.engine_over_profile``, ``prefill.prefill.…``) is averaged
+    the same way, level by level; anything else is the first repeat's. Why level by level: the
+    stage-scored MPS fit reads those counters, and a repeat's first file alone stood for all."""
+    out = dict(ds[0])
+    for k, v in ds[0].items():
+        if k == "rate":
+            continue
+        if _is_number(v) and all(_is_number(d.get(k)) for d in ds):
+            out[k] = sum(float(d[k]) for d in ds) / len(ds)
+        elif isinstance(v, dict) and all(isinstance(d.get(k), dict) for d in ds):
+            if all(_is_number(x) for x in v.values()):
+                keys = set().union(*(d[k] for d in ds))
+                out[k] = {t: sum(float(d[k].get(t, 0.0)) for d in ds) / len(ds) for t in sorted(keys)}
+            else:
+                out[k] = _mean_tree([d[k] for d in ds])
+    return out
+
+
 def mean_of_repeats(points: list[dict[str, Any]]) -> dict[str, Any]:
     """One point from a point measured more than once (same system, same rate): every figure the
     summaries read (goodput per tier, throughput, TTFT and TPOT) is the mean over the repeats, and
@@ -555,17 +580,7 @@ def mean_of_repeats(points: list[dict[str, Any]]) -> dict[str, Any]:
     either alone would be a choice, refusing both would drop what was measured."""
     if len(points) == 1:
         return points[0]
-    out = dict(points[0])
-    for k, v in points[0].items():
-        if k == "rate":
-            continue
-        if isinstance(v, (int, float)) and not isinstance(v, bool) and all(
-                isinstance(p.get(k), (int, float)) for p in points):
-            out[k] = sum(float(p[k]) for p in points) / len(points)
-        elif isinstance(v, dict) and all(isinstance(x, (int, float)) for x in v.values()) and all(
-                isinstance(p.get(k), dict) for p in points):
-            keys = set().union(*(p[k] for p in points))
-            out[k] = {t: sum(float(p[k].get(t, 0.0)) for p in points) / len(points) for t in sorted(keys)}
+    out = _mean_tree(points)
     out["repeats"] = [{"file": p.get("file"), "goodput_moderate": (p.get("goodput") or {}).get("moderate")}
                       for p in points]
     return out

@@ -101,6 +101,26 @@ def test_repeats_count_as_their_mean_and_runs_merge(tmp_path: Path) -> None:
     assert summary("--results", str(tmp_path), "--run", "run42")["systems"]["easerve"]["goodput"]["moderate"]["7.0"] == 5.5
 
 
+def test_a_repeats_stage_counters_are_the_mean_of_its_repeats_level_by_level() -> None:
+    """The workers' counters nest (``prefill.prefill.engine_over_profile``): a repeated point's are
+    the mean of its repeats' at every level, as its goodput is, not its first repeat's; what is not
+    a number (a label) stays the first's. The stage-scored MPS fit reads these counters."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from gpu_serve import mean_of_repeats
+
+    a = {**point(10.0, 9.0), "encode": {"engine_over_profile": 1.8, "batches": 300, "backend": "mps"},
+         "prefill": {"prefill": {"engine_over_profile": 1.2, "ms": {"p50": 290.0}}}}
+    b = {**point(10.0, 8.0), "encode": {"engine_over_profile": 2.2, "batches": 280, "backend": "mps"},
+         "prefill": {"prefill": {"engine_over_profile": 1.4, "ms": {"p50": 310.0}}}}
+    m = mean_of_repeats([a, b])
+    assert m["goodput"]["moderate"] == 8.5
+    assert m["encode"] == {"engine_over_profile": 2.0, "batches": 290.0, "backend": "mps"}
+    assert m["prefill"]["prefill"]["engine_over_profile"] == pytest.approx(1.3)
+    assert m["prefill"]["prefill"]["ms"] == {"p50": 300.0}
+    assert [r["goodput_moderate"] for r in m["repeats"]] == [9.0, 8.0]
+    assert a["encode"]["engine_over_profile"] == 1.8  # the repeats themselves untouched
+
+
 def test_the_default_summary_reads_the_current_setups_runs_not_only_the_newest() -> None:
     """Run 17 holds only plans and repeats at two rates: alone it would compare a few systems at one
     rate, so the committed default is the current setup's runs merged."""
