@@ -52,6 +52,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.k8s)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test on the pods cluster reports the cluster as it found it: each namespace's pods,
+    their containers' last log lines, the operator's, and what the kube-proxy stand-in routes
+    (``PodsCluster.diagnose``). Why: a failure under load (CI, 2026-12-07: the LLaVA frontend's
+    Service reset connections during the discovery-etcd outage, and refused them into the next
+    test) left only the client's errors; the run directory is gone by the time anyone reads it."""
+    outcome = yield
+    rep = outcome.get_result()  # type: ignore[attr-defined]
+    pc = getattr(item, "funcargs", {}).get("pods_cluster")
+    if rep.when != "call" or not rep.failed or pc is None:
+        return
+    for ns in pc.cluster.namespaces:
+        try:
+            rep.sections.append((f"cluster state at the failure: {ns}", pc.diagnose(ns)))
+        except Exception as e:  # noqa: BLE001 - the report must not hide the test's own failure
+            rep.sections.append((f"cluster state at the failure: {ns}", f"could not be read: {e!r}"))
+
+
 def wait_http(url: str, timeout: float, proc: subprocess.Popen[Any] | None = None) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -213,11 +232,16 @@ class PodsCluster:
             for c in p["spec"]["containers"]:
                 lp = self.runner.log_path(namespace, p["metadata"]["name"], c["name"])
                 if lp.exists():
-                    tail = lp.read_text(errors="replace").splitlines()[-8:]
+                    lines = lp.read_text(errors="replace").splitlines()
+                    tail = [ln for ln in lines if "kube-probe/" not in ln][-12:]  # not the probes' access lines
                     out.append(f"--- {p['metadata']['name']}/{c['name']}\n" + "\n".join(tail))
         op = self.work / "operator.log"
         if op.exists():
             out.append("--- operator\n" + "\n".join(op.read_text(errors="replace").splitlines()[-10:]))
+        routes = [f"{svc}:{port} -> {self.proxy.ready_endpoints(n, svc, port) or 'no ready endpoint'}"
+                  f"{'' if (n, svc, port) in self.proxy._servers else ' (no listener)'}"
+                  for n, svc, port in sorted(self.proxy._table) if n == namespace]
+        out.append("--- kube-proxy stand-in\n" + "\n".join(routes))
         return "\n".join(out)
 
     def frontend_url(self, namespace: str, name: str, timeout: float = 30.0, stage: str = "encode") -> str:
