@@ -432,6 +432,63 @@ def test_every_process_ranks_the_instances_alike() -> None:
     assert [a.pick() for _ in range(4)] == [b.pick() for _ in range(4)] == [3, 5, 9, 3]
 
 
+class Refusing:
+    """A Dynamo client whose instances refuse connections while listed in ``down`` (a worker
+    restarting, or a connect that failed under load) and otherwise stream one item."""
+
+    def __init__(self, ids: list[int]) -> None:
+        self.ids = ids
+        self.down: set[int] = set()
+        self.calls: list[int] = []
+
+    def instance_ids(self) -> list[int]:
+        return list(self.ids)
+
+    async def direct(self, request: Any, iid: int, annotated: bool = False) -> AsyncIterator[Any]:
+        self.calls.append(iid)
+        if iid in self.down:
+            raise RuntimeError(f"Unavailable: TCP connection to 127.0.0.1:{iid} failed")
+
+        async def gen() -> AsyncIterator[Any]:
+            yield {"from": iid}
+
+        return gen()
+
+
+def test_quarantine_ranks_instances_and_never_empties_the_pool() -> None:
+    """An instance that refused a connection is avoided while another is listed; when it is the only
+    one listed it is still offered (a frontend's ``/health`` counts ``instances()``: excluding it
+    took the frontend out of its Service for 30 s while the instance served again), and its first
+    answer lifts the quarantine."""
+    now = [0.0]
+    client = Refusing([1])
+    pool = Pool(client, "encode", clock=lambda: now[0])
+
+    async def one() -> list[Any]:
+        return [item async for item in pool.stream({"id": "r"})]
+
+    client.down = {1}
+    with pytest.raises(StageError) as ei:
+        asyncio.run(one())
+    assert ei.value.retryable and client.calls == [1]  # tried once, then nothing else to try
+    assert pool.instances() == [1]  # quarantined, but the only one: still counted and offered
+    client.down = set()
+    assert asyncio.run(one()) == [{"from": 1}]
+    client.ids = [1, 2]
+    assert pool._quarantine == {}  # its answer lifted the quarantine
+    assert sorted(pool.pick() for _ in range(4)) == [1, 1, 2, 2]
+
+    client.down = {2}
+    assert asyncio.run(one()) + asyncio.run(one()) == [{"from": 1}, {"from": 1}]  # 2 refused once, retried on 1
+    assert pool.instances() == [1]  # while 1 is listed, the quarantined 2 is skipped
+    client.ids = [2]
+    assert pool.instances() == [2]  # the only one listed: offered again
+    now[0] += 31.0
+    client.ids = [1, 2]
+    assert pool.instances() == [1, 2]  # the quarantine expired
+    assert pool.outstanding == {}
+
+
 def test_hung_instance_that_leaves_discovery_fails_its_streams() -> None:
     client = SilentClient()
     pool = Pool(client, "decode")

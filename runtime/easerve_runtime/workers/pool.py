@@ -7,7 +7,8 @@ instance here and call ``client.direct``. Two failure cases matter:
 - the instance is gone before the call reaches it (``Unavailable: TCP connection ... failed``):
   nothing was processed, so we quarantine it and retry on another instance. With the ``file``
   discovery backend a SIGKILLed worker's key lingers, so without this every ``n``-th request
-  would fail until it expires;
+  would fail until it expires. Quarantine only ranks: while discovery lists nothing else, the
+  quarantined instances are still tried, and the first item an instance streams lifts it;
 - the stream breaks after items arrived: the request was partly served and cannot be replayed
   silently; the caller gets :class:`StageError` and reports it to its client.
 
@@ -90,7 +91,14 @@ class Pool:
         return self._rank
 
     def instances(self) -> list[int]:
-        """Live instance ids in id order, quarantined ones excluded.
+        """Live instance ids in id order, quarantined ones excluded unless every listed one is.
+
+        Quarantine is a preference, not a verdict: an instance that refused one connection is
+        skipped while another is listed, but when discovery lists only quarantined instances they
+        are all returned and tried (a call that fails again costs one connect). Excluding them
+        would make a frontend whose one encode instance hiccupped report no encode instance on
+        ``/health`` for ``QUARANTINE_S`` and be taken out of its Service, refusing every request
+        while the instance is serving again.
 
         Sorted because Dynamo's client lists them in an order of its own per process (a hash map's:
         three processes watching the same four instances saw two or three orders,
@@ -106,7 +114,7 @@ class Pool:
             for iid, until in list(self._quarantine.items()):
                 if until <= now or iid not in ids:
                     del self._quarantine[iid]
-            ids = [i for i in ids if i not in self._quarantine]
+            ids = [i for i in ids if i not in self._quarantine] or ids
         return ids
 
     def quarantine(self, iid: int) -> None:
@@ -156,7 +164,9 @@ class Pool:
                     else:
                         stream = await self.client.direct(request, iid, annotated=False, context=ctx)
                     async for item in self._watched(stream, iid):
-                        received = True
+                        if not received:
+                            received = True
+                            self._quarantine.pop(iid, None)  # it answers: no longer avoided
                         yield item
                     completed = True
                     return
