@@ -489,6 +489,35 @@ def test_quarantine_ranks_instances_and_never_empties_the_pool() -> None:
     assert pool.outstanding == {}
 
 
+def test_a_refused_connect_leaves_the_frontend_ready_and_serving() -> None:
+    """The symptom the ranking mends, through the frontend's HTTP port: its one encode instance
+    refuses a connection (a restart, a connect lost under load); the request gets an explicit error,
+    ``/health`` (the readiness probe's path) stays 200, and the next request is served by the same
+    instance at once, not after the 30 s quarantine."""
+
+    class Serving(Refusing):
+        async def direct(self, request: Any, iid: int, annotated: bool = False) -> AsyncIterator[Any]:
+            await super().direct(request, iid)  # raises while down
+            return serving()(request)
+
+    client = Serving([1])
+    fe = frontend(Pool(client, "encode"))
+
+    async def go(s: aiohttp.ClientSession, url: str) -> tuple[int, int, Any, int]:
+        client.down = {1}
+        refused, _, _ = await post(s, url, chat(max_tokens=2))
+        async with s.get(f"{url}/health") as r:
+            health, body = r.status, await r.json()
+        client.down = set()
+        served, _, _ = await post(s, url, chat(max_tokens=2))
+        return refused, health, body["encode_instances"], served
+
+    refused, health, n, served = run(fe, go)
+    assert refused >= 500 and (health, n) == (200, 1)
+    # the refused request: the pool's attempt and the frontend's one retry; then the served one
+    assert served == 200 and client.calls == [1, 1, 1]
+
+
 def test_hung_instance_that_leaves_discovery_fails_its_streams() -> None:
     client = SilentClient()
     pool = Pool(client, "decode")
