@@ -13,6 +13,16 @@ process that ``easerve serve`` started, counted), 7 files with ``gpu_engine.json
 
 Either side may be left out (``--engine ""``). Each runs under its own time limit
 (``--engine-timeout``, ``--serve-timeout``) so the whole call ends inside the device's 10 minutes.
+
+``--plan FILE`` runs a planned GPU call instead of ``--serve``: a JSON file (``benchmarks/plans/``)
+that names, per card, the profile the pods read and a list of ``gpu_serve`` invocations (jobs).
+The card is picked by its name in ``nvidia-smi -L`` (the device may lend an H100 where an H200
+was asked for), and the jobs share one budget (``--budget-s``): each gets what is left, and one
+whose fastest point no longer fits is skipped and said so, not started. Each job's JSON comes back
+as ``gpu_serve_<job>.json`` as it grows. Why it is committed: run 34's hand-written driver gave
+two invocations a budget smaller than one point and served nothing for them.
+
+    python3 benchmarks/gpu_run.py --plan benchmarks/plans/run35.json      # GPU machine, .devsite carried
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import json
 import os
 import re
 import shlex
@@ -29,6 +40,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 SERVE_DIR = Path("/tmp/gs")
@@ -38,12 +50,67 @@ def say(msg: str) -> None:
     print(f"[gpu_run {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def copy_serve(out: Path) -> None:
-    for name in ("gpu_serve.json", "gpu_serve.png"):
-        f = SERVE_DIR / name
+def copy_serve(out: Path, serve_dir: Path = SERVE_DIR, suffix: str = "", names: tuple[str, ...] = ("gpu_serve.json", "gpu_serve.png")) -> None:
+    for name in names:
+        f = serve_dir / name
         if f.exists():
+            stem, dot, ext = name.partition(".")
             with contextlib.suppress(OSError):
-                shutil.copyfile(f, out / name)
+                shutil.copyfile(f, out / f"{stem}{suffix}{dot}{ext}")
+
+
+STARTUP_S = 30.0
+"""What a job needs beyond its fastest point before it is worth starting: ``easerve serve``'s start
+(about 20 s on the H100s and H200s of runs 28-34) and the warm-up requests."""
+
+
+def card_plan(plan: dict[str, Any], gpu_name: str) -> dict[str, Any]:
+    """The plan's entry for this card: the first whose ``match`` is in the GPU's name."""
+    for card in plan["cards"]:
+        if card["match"].lower() in gpu_name.lower():
+            return card
+    raise ValueError(f"plan: no card matches {gpu_name!r} (matches: {[c['match'] for c in plan['cards']]})")
+
+
+def job_seconds(job: dict[str, Any], requests: int) -> float:
+    """The least a job needs to serve one point: its start, then its fastest rate's requests and the
+    30 s that ``gpu_serve`` itself keeps in hand before starting a point."""
+    rates = [float(r) for r in str(job["rates"]).split(",")]
+    return STARTUP_S + requests / max(rates) + 30.0
+
+
+def job_argv(card: dict[str, Any], job: dict[str, Any], requests: int, budget_s: float, serve_dir: Path) -> list[str]:
+    """``gpu_serve.py``'s arguments for one job, under what is left of the call's budget."""
+    argv = ["--out", str(serve_dir / job["name"]), "--requests", str(requests), "--profile-file", card["profile"],
+            "--budget-s", f"{budget_s:.0f}", "--rates", str(job["rates"]), "--systems", ",".join(job["systems"])]
+    return argv + [str(a) for a in job.get("args", [])]
+
+
+def run_plan(plan: dict[str, Any], gpu_name: str, budget_s: float, serve: Any, clock: Any = time.monotonic) -> list[dict[str, Any]]:
+    """Run the card's jobs in order under one budget; ``serve(job, argv, left_s)`` runs one. Returns
+    what became of each job (served, or skipped with the seconds it needed and had)."""
+    card = card_plan(plan, gpu_name)
+    requests = int(plan.get("requests", 300))
+    deadline = clock() + budget_s
+    done = []
+    for job in card["jobs"]:
+        left = deadline - clock()
+        need = job_seconds(job, requests)
+        if left < need:
+            say(f"job {job['name']}: skipped, needs {need:.0f} s and {left:.0f} s are left")
+            done.append({"job": job["name"], "skipped": "budget", "need_s": round(need), "left_s": round(left)})
+            continue
+        say(f"job {job['name']}: rates {job['rates']}, {len(job['systems'])} systems, {left:.0f} s left")
+        rc = serve(job, job_argv(card, job, requests, left - STARTUP_S / 2, SERVE_DIR), left)
+        done.append({"job": job["name"], "rc": rc})
+    return done
+
+
+def gpu_name() -> str:
+    smi = shutil.which("nvidia-smi")
+    if not smi:
+        return ""
+    return subprocess.run([smi, "-L"], capture_output=True, text=True, check=False).stdout
 
 
 def warnings(root: Path, limit: int = 40) -> list[str]:
@@ -80,6 +147,9 @@ def main() -> int:
     ap.add_argument("--serve", default="", help="arguments of gpu_serve.py, --out excepted (empty: skip it)")
     ap.add_argument("--engine-timeout", type=float, default=230)
     ap.add_argument("--serve-timeout", type=float, default=345)
+    ap.add_argument("--plan", default="", help="a planned call (benchmarks/plans/*.json): jobs per card, one budget")
+    ap.add_argument("--budget-s", type=float, default=550, help="--plan: the seconds all its jobs share")
+    ap.add_argument("--gpu", default="", help="--plan: the card's name (default: nvidia-smi -L)")
     ap.add_argument("--no-devsite", action="store_true",
                     help="use this interpreter's packages (a dev machine: unpacking .devsite here would grow it "
                          "past the device's 64 MiB carry)")
@@ -102,6 +172,44 @@ def main() -> int:
         for line in (out / "engine.log").read_text(errors="replace").splitlines():
             if line.startswith("[") or "Error" in line:
                 print(line[:700])
+    if args.plan:
+        plan = json.loads(Path(args.plan).read_text())
+        name = args.gpu or gpu_name()
+        (out / "nvidia_smi.txt").write_text(name)
+        card = card_plan(plan, name)
+        stop = threading.Event()
+
+        def copy_jobs() -> None:
+            for job in card["jobs"]:
+                copy_serve(out, SERVE_DIR / job["name"], f"_{job['name']}", ("gpu_serve.json",))
+
+        def plan_copier() -> None:
+            while not stop.wait(5):
+                copy_jobs()
+
+        def serve(job: dict[str, Any], argv: list[str], left: float) -> int:
+            log = out / "serve.log"
+            with open(log, "ab") as f:
+                f.write(f"== job {job['name']}\n".encode())
+            cmd = [sys.executable, "benchmarks/gpu_serve.py", *argv]
+            say(" ".join(cmd))
+            with open(log, "ab") as f:
+                try:
+                    return subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, timeout=left + 10,
+                                          cwd=REPO).returncode
+                except subprocess.TimeoutExpired:
+                    return 124
+
+        th = threading.Thread(target=plan_copier, daemon=True)
+        th.start()
+        try:
+            result = run_plan(plan, name, args.budget_s, serve)
+        finally:
+            stop.set()
+            th.join()
+            copy_jobs()
+        say(json.dumps(result))
+        (out / "warn.txt").write_text("\n".join(warnings(SERVE_DIR)) + "\n")
     if args.serve.strip():
         stop = threading.Event()
 
