@@ -351,7 +351,8 @@ def test_the_mps_fit_can_run_each_point_behind_the_door_it_was_served_through(mo
         gpu = o["measured"]["ttft_p99"]
         assert o["twin"]["ttft_p99"] > 2 * gpu
         assert abs(d["twin"]["ttft_p99"] / gpu - 1) < abs(o["twin"]["ttft_p99"] / gpu - 1)
-        assert (d["twin"]["failed"] or 0) > 0 == (o["twin"]["failed"] or 0)
+        assert (d["twin"]["failed"] or 0) > 0  # behind the door the twin refuses, as the frontend did
+        assert (o["twin"]["failed"] or 0) == 0  # with it open, nothing is refused
 
 
 def test_the_loop_calibration_reads_both_per_row_terms_off_the_decode_counters(tmp_path: Path) -> None:
