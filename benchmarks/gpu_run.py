@@ -19,7 +19,9 @@ that names, per card, the profile the pods read and a list of ``gpu_serve`` invo
 The card is picked by its name in ``nvidia-smi -L`` (the device may lend an H100 where an H200
 was asked for), and the jobs share one budget (``--budget-s``): each gets what is left, and one
 whose fastest point no longer fits is skipped and said so, not started. Each job's JSON comes back
-as ``gpu_serve_<job>.json`` as it grows. Why it is committed: run 34's hand-written driver gave
+as ``gpu_serve_<job>.json`` as it grows. A job runs in ``/tmp/gs/<job>``: on a machine still warm
+from a call that was cut off, its points already served are kept, not served again (``gpu_serve``'s
+resume rule), so the same plan called again finishes it. Why it is committed: run 34's hand-written driver gave
 two invocations a budget smaller than one point and served nothing for them.
 
     python3 benchmarks/gpu_run.py --plan benchmarks/plans/run35.json      # GPU machine, .devsite carried

@@ -458,8 +458,8 @@ class Refusing:
 def test_quarantine_ranks_instances_and_never_empties_the_pool() -> None:
     """An instance that refused a connection is avoided while another is listed; when it is the only
     one listed it is still offered (a frontend's ``/health`` counts ``instances()``: excluding it
-    took the frontend out of its Service for 30 s while the instance served again), and its first
-    answer lifts the quarantine."""
+    made ``/health`` read 503 for 30 s while the instance served again), and its first answer lifts
+    the quarantine."""
     now = [0.0]
     client = Refusing([1])
     pool = Pool(client, "encode", clock=lambda: now[0])
