@@ -607,7 +607,27 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
     # side by side under MPS with SM caps (sim.mpsshare)
     res = simulate_system(spec, reqs, "easerve", model, host_gpus=host_gpus, mps_caps=mps_caps,
                           kv_ipc=kv_ipc, frontends=frontends, door_capacity_rps=door_capacity_rps)
-    return {**res.summary, "stage_over_profile": stage_ratios(res.stats)} if stages else res.summary
+    out = {**res.summary, **decode_rows(res.stats)}
+    return {**out, "stage_over_profile": stage_ratios(res.stats)} if stages else out
+
+
+def decode_rows(stats: dict[str, Any]) -> dict[str, float]:
+    """The twin's decode loop as the GPU's counters read it: sequences a step (``decode_rows``) and
+    milliseconds a loop iteration (``decode_iteration_ms``). TPOT is about their product's slope:
+    where the twin's TPOT misses, these say whether it keeps too few requests in decode or steps
+    them too fast (2026-12-07: the s 0.9 point's miss read as more rows on the GPU)."""
+    if not stats.get("decode_steps"):
+        return {}
+    return {"decode_rows": round(float(stats["mean_decode_batch"]), 2),
+            "decode_iteration_ms": round(float(stats["decode_ms_per_step"]), 2)}
+
+
+def gpu_decode_rows(point: dict[str, Any]) -> dict[str, float]:
+    """``decode_rows``'s figures off a GPU point's decode loop counters (empty where none)."""
+    dl = point.get("decode_loop") or {}
+    if not dl.get("rows_per_step") or not dl.get("loop_iteration_ms"):
+        return {}
+    return {"decode_rows": float(dl["rows_per_step"]), "decode_iteration_ms": float(dl["loop_iteration_ms"])}
 
 
 def stage_ratios(stats: dict[str, Any]) -> dict[str, float]:
@@ -672,11 +692,12 @@ def predict(run: dict[str, Any], tmp: Path, profile: Path, cpu_pre: Path, host_l
                              "goodput_moderate": (p.get("goodput") or {}).get("moderate"),
                              # the first-to-second token gap (KV handoff and decode's admission):
                              # runs since 2026-12-07 record it; where TPOT's miss sits
-                             "token2_gap_p50": (p.get("token2_gap") or {}).get("p50")},
+                             "token2_gap_p50": (p.get("token2_gap") or {}).get("p50"), **gpu_decode_rows(p)},
                 "twin": {"throughput": t_tp, "ttft_p99": t_ttft, "ttft_p50": (res.get("ttft") or {}).get("p50"),
                          "tpot_p50": (res.get("tpot") or {}).get("p50"), "failed": res.get("failed"),
                          "goodput_moderate": (res.get("goodput") or {}).get("moderate"),
-                         "token2_gap_p50": (res.get("token2_gap") or {}).get("p50")},
+                         "token2_gap_p50": (res.get("token2_gap") or {}).get("p50"),
+                         **{k: res[k] for k in ("decode_rows", "decode_iteration_ms") if k in res}},
                 # a one-rate run does not show its saturation: whether it is in scope is unknown there
                 "in_scope": (bool(sat) and p["rate"] <= BAR["up_to_saturation"] * sat) if len(pts) > 1 else None,
             }

@@ -643,3 +643,37 @@ def test_a_report_replays_old_runs_at_their_served_lengths_unless_told_the_workl
 
     assert twin("gpu_serve_h100_run31a_300req.json", "served") != twin("gpu_serve_h100_run31a_300req.json", "workload")
     assert twin("gpu_serve_h100_run33c_300req.json", "served") == twin("gpu_serve_h100_run33c_300req.json", "workload")
+
+
+def test_a_report_sets_the_twins_decode_rows_and_iteration_beside_the_gpus() -> None:
+    """TPOT is made of the requests a decode step carries and the time a loop iteration takes; the
+    report reads both off the GPU's loop counters and off the twin's decode workers, so a TPOT miss
+    says which it is. The twin's iteration is its decode workers' busy time over their steps, and
+    its rows the tokens it decoded over those steps."""
+    import twin_agreement as ta
+    from easerve_runtime.api import parse_spec
+    from easerve_runtime.sim import simulate_system
+    from easerve_runtime.workload import generate
+
+    results = REPO / "benchmarks" / "results"
+    prof, cpu = results / "engine_profile_h100_llava7b_run20.json", results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json"
+    name = "gpu_serve_h100_run34b_300req.json"
+    run = json.loads((results / name).read_text())
+    rep = ta.report(prof, cpu, str(results / name))
+    (system, s), = rep["runs"][0]["systems"].items()
+    (p,), (gp,) = s["points"], run["systems"][system]["points"]
+    assert p["measured"]["decode_rows"] == gp["decode_loop"]["rows_per_step"]
+    assert p["measured"]["decode_iteration_ms"] == gp["decode_loop"]["loop_iteration_ms"]
+    assert p["twin"]["decode_rows"] > 1 and p["twin"]["decode_iteration_ms"] > 0
+
+    with tempfile.TemporaryDirectory() as t:
+        spec = parse_spec(ta.twin_spec(run["systems"][system]["spec"], ta.system_profile(system, Path(t), prof, cpu)))
+        res = simulate_system(spec, generate(spec, 7.0, 120, ta.BENCH_SEED), "easerve", host_gpus=1,
+                              mps_caps=ta.mps_caps_of(system))
+    st = res.stats
+    horizon = max(r.finish_s or 0.0 for r in res.records) - min(r.arrival_s for r in res.records)
+    busy_s = (res.utilisation["decode"] or 0.0) * horizon  # one decode worker
+    assert st["decode_ms_per_step"] * st["decode_steps"] / 1e3 == pytest.approx(busy_s, rel=1e-9)
+    assert st["mean_decode_batch"] * st["decode_steps"] == pytest.approx(st["decoded_tokens"])
+    assert ta.decode_rows(st) == {"decode_rows": round(st["mean_decode_batch"], 2),
+                                  "decode_iteration_ms": round(st["decode_ms_per_step"], 2)}

@@ -284,6 +284,8 @@ def run_pipeline(
         "decoded_tokens": sum(d.batch_sum for d in decoders),
         "decode_steps": sum(d.steps for d in decoders),
         "mean_decode_batch": (sum(d.batch_sum for d in decoders) / max(1, sum(d.steps for d in decoders))),
+        # as the decode loop's counters read it on the GPU (``decode_loop.loop_iteration_ms``)
+        "decode_ms_per_step": 1e3 * sum(d.busy_s for d in decoders) / max(1, sum(d.steps for d in decoders)),
         "encode_sm_levels": dict(sorted(shares.splits.items())),
         "events": loop.events,
     }
