@@ -103,6 +103,7 @@ def run_plan(plan: dict[str, Any], gpu_name: str, budget_s: float, serve: Any, c
             done.append({"job": job["name"], "skipped": "budget", "need_s": round(need), "left_s": round(left)})
             continue
         say(f"job {job['name']}: rates {job['rates']}, {len(job['systems'])} systems, {left:.0f} s left")
+        # gpu_serve's own budget keeps half the start margin back for the last system's teardown
         rc = serve(job, job_argv(card, job, requests, left - STARTUP_S / 2, SERVE_DIR), left)
         done.append({"job": job["name"], "rc": rc})
     return done

@@ -613,9 +613,9 @@ def twin_point(spec: EPDDeploymentSpec, rate: float, requests: int, host_gpus: i
 
 def decode_rows(stats: dict[str, Any]) -> dict[str, float]:
     """The twin's decode loop as the GPU's counters read it: sequences a step (``decode_rows``) and
-    milliseconds a loop iteration (``decode_iteration_ms``). TPOT is about their product's slope:
-    where the twin's TPOT misses, these say whether it keeps too few requests in decode or steps
-    them too fast (2026-12-07: the s 0.9 point's miss read as more rows on the GPU)."""
+    milliseconds a loop iteration (``decode_iteration_ms``). A token costs about one iteration, and
+    the iteration grows with the rows; where the twin's TPOT misses, these say whether it keeps too
+    few requests in decode or steps them too fast (2026-12-07: at run 33b's s 0.9 point, both)."""
     if not stats.get("decode_steps"):
         return {}
     return {"decode_rows": round(float(stats["mean_decode_batch"]), 2),

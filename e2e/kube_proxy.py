@@ -119,6 +119,13 @@ class KubeProxy:
         """The endpoints a new connection to this Service port may go to now."""
         return list(self._table.get((namespace, name, port), []))
 
+    def routes(self, namespace: str) -> list[tuple[str, int, list[tuple[str, int]], bool]]:
+        """Each Service port of ``namespace`` this proxy knows: its name, port, ready endpoints, and
+        whether its listener exists (a failed test's report says where connections went)."""
+        table, servers = self._table, set(self._servers)  # the sync thread rebinds and edits them
+        return [(svc, port, list(eps), (ns, svc, port) in servers)
+                for (ns, svc, port), eps in sorted(table.items()) if ns == namespace]
+
     def start(self, timeout: float = 30.0) -> KubeProxy:
         self._thread = threading.Thread(target=self._run, name="kube-proxy", daemon=True)
         self._thread.start()

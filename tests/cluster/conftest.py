@@ -238,9 +238,8 @@ class PodsCluster:
         op = self.work / "operator.log"
         if op.exists():
             out.append("--- operator\n" + "\n".join(op.read_text(errors="replace").splitlines()[-10:]))
-        routes = [f"{svc}:{port} -> {self.proxy.ready_endpoints(n, svc, port) or 'no ready endpoint'}"
-                  f"{'' if (n, svc, port) in self.proxy._servers else ' (no listener)'}"
-                  for n, svc, port in sorted(self.proxy._table) if n == namespace]
+        routes = [f"{svc}:{port} -> {eps or 'no ready endpoint'}{'' if listening else ' (no listener)'}"
+                  for svc, port, eps, listening in self.proxy.routes(namespace)]
         out.append("--- kube-proxy stand-in\n" + "\n".join(routes))
         return "\n".join(out)
 

@@ -247,6 +247,7 @@ def run_pipeline(
         return sum(w.busy_s for w in ws) / (len(ws) * horizon)
 
     enc_batches = sum(e.batches for e in encoders)
+    dec_steps = sum(d.steps for d in decoders)
     stats: dict[str, Any] = {
         "utilisation": {
             "encode": util(encoders),
@@ -282,10 +283,10 @@ def run_pipeline(
         "encoded_items": sum(e.items_sum for e in encoders),
         "prefilled_tokens": sum(p.tokens_sum for p in remote + locals_),
         "decoded_tokens": sum(d.batch_sum for d in decoders),
-        "decode_steps": sum(d.steps for d in decoders),
-        "mean_decode_batch": (sum(d.batch_sum for d in decoders) / max(1, sum(d.steps for d in decoders))),
+        "decode_steps": dec_steps,
+        "mean_decode_batch": sum(d.batch_sum for d in decoders) / max(1, dec_steps),
         # as the decode loop's counters read it on the GPU (``decode_loop.loop_iteration_ms``)
-        "decode_ms_per_step": 1e3 * sum(d.busy_s for d in decoders) / max(1, sum(d.steps for d in decoders)),
+        "decode_ms_per_step": 1e3 * sum(d.busy_s for d in decoders) / max(1, dec_steps),
         "encode_sm_levels": dict(sorted(shares.splits.items())),
         "events": loop.events,
     }
