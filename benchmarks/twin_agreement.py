@@ -912,7 +912,7 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
                and twin["ttft_p99"] is not None and abs(twin["throughput"] / meas["throughput"] - 1) <= BAR["throughput"]
                and abs(twin["ttft_p99"] / meas["ttft_p99"] - 1) <= BAR["ttft_p99"])
         rows.append({"system": system, "rate": p["rate"],
-                     "held_out": p["rate"] > MPS_FIT_MAX_RATE or bool(p.get("held_out_run")),
+                     "held_out": p["rate"] > _FIT.get("max_rate", MPS_FIT_MAX_RATE) or bool(p.get("held_out_run")),
                      "repeats": len(p.get("repeats", [])) or 1, "loop_row_ms": p.get("loop_row_ms"),
                      "measured": meas, "twin": twin, "meets_bar": bar,
                      "abs_log_error": {k: round(v, 3) for k, v in err.items()},
@@ -921,7 +921,8 @@ def _fit_rows(values: tuple[float, ...]) -> list[dict[str, Any]]:
 
 
 def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "",
-            host_loop: str = "run", stages: bool = False, door: bool = False) -> dict[str, Any]:
+            host_loop: str = "run", stages: bool = False, door: bool = False,
+            max_rate: float = MPS_FIT_MAX_RATE) -> dict[str, Any]:
     """Calibrate the MPS twin's constants (``engine.mps``: ``MPS_KEYS``) on the ``+mpsNN`` points of
     the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
     p50 and P99 TTFT at the fit points; the held-out points' errors (above ``MPS_FIT_MAX_RATE``, and
@@ -944,7 +945,13 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     (``twin_point``'s ``frontends=1`` at the point's ``door_rps``), as ``twin_agreement``'s own
     report does. Why: without it the held-out points past saturation (runs 33-34 at 10-12 req/s)
     queued every request and read P99 TTFT up to 5x the GPU's, so their errors ranked the grid by
-    a door the pods do not have."""
+    a door the pods do not have.
+
+    ``max_rate`` (``--fit-max-rate``): the points above it are held out (default
+    ``MPS_FIT_MAX_RATE``). Why raise it: at 7 req/s and under, TPOT sits far below the moderate
+    tier's 25 ms bound, so a TPOT error there moves no goodput; run 35 (8.5 req/s, one H100) showed
+    constants fitted there reading every s < 1 layout's TPOT 7-16 % under the GPU's at 8.5, where
+    the bound decides, and their goodput up to 1.6x over."""
     import itertools
     import multiprocessing
 
@@ -959,7 +966,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
         models = {system: model_for(spec) for system, spec, _, _ in pts}
     if not pts:
         raise SystemExit(f"--mps-fit: no +mpsNN system in {runs_glob}")
-    _FIT.update(pts=pts, models=models, keys=MPS_KEYS, host_loop=host_loop, stages=stages)
+    _FIT.update(pts=pts, models=models, keys=MPS_KEYS, host_loop=host_loop, stages=stages, max_rate=max_rate)
 
     def score(rows: list[dict[str, Any]], held_out: bool) -> float:
         sel = [r for r in rows if r["held_out"] == held_out]
@@ -987,7 +994,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
                 log(f"grid {i + 1}/{len(values)}: best fit so far {min(g['fit_error'] for g in grid)}")
     best = min(grid, key=lambda g: g["fit_error"])
     cols = (*MPS_KEYS, "fit_error", "held_out_error", "fit_bar", "held_out_bar")
-    return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": MPS_FIT_MAX_RATE,
+    return {"bench": "twin_agreement", "mode": "mps-fit", "gpus": cards(runs_glob), "fit_rates_up_to": max_rate,
             "held_out_runs": held_out_glob or None, "host_loop": host_loop, "decode_row_ms_from_counters": row_ms,
             "error": "mean over points of the mean |log(twin/GPU)| of moderate goodput, TPOT p50, P99 TTFT"
                      + (" and each stage's time over its profile (the workers' counters)" if stages else ""),
@@ -1084,8 +1091,9 @@ def plot_mps_fit(fit: dict[str, Any], path: Path) -> None:
             ("ttft_p99", "P99 TTFT (s)", 1.0))
     fig, axes = plt.subplots(1, 3, figsize=(13, 4))
     for ax, (key, label, scale) in zip(axes, keys, strict=True):
-        for held, marker, name in ((False, "o", f"fit (up to {MPS_FIT_MAX_RATE:g} req/s)"),
-                                   (True, "x", f"held out (above {MPS_FIT_MAX_RATE:g} req/s)")):
+        top = fit.get("fit_rates_up_to", MPS_FIT_MAX_RATE)
+        for held, marker, name in ((False, "o", f"fit (up to {top:g} req/s)"),
+                                   (True, "x", f"held out (above {top:g} req/s, or other hosts)")):
             rows = [r for r in fit["points"] if r["held_out"] == held]
             ax.scatter([r["measured"][key] * scale for r in rows], [(r["twin"][key] or 0.0) * scale for r in rows],
                        marker=marker, label=name)
@@ -1118,8 +1126,10 @@ def main() -> int:
     p.add_argument("--plot", default=None,
                    help="the PNG (default docs/img/twin_agreement.png; with --mps-fit docs/img/twin_mps_fit.png)")
     p.add_argument("--mps-fit", action="store_true",
-                   help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to 7 req/s, "
+                   help="calibrate sim.mpsshare's constants on the runs' +mpsNN points (fit up to --fit-max-rate, "
                         "the rest held out); prints the grid and the best point")
+    p.add_argument("--fit-max-rate", type=float, default=MPS_FIT_MAX_RATE,
+                   help="--mps-fit: the points above this rate (req/s) are held out")
     p.add_argument("--fit-stages", action="store_true",
                    help="--mps-fit: also score each stage's time over its profile against the workers' counters")
     p.add_argument("--fit-door", action="store_true",
@@ -1176,7 +1186,7 @@ def main() -> int:
         return 0
     if args.mps_fit:
         fit = mps_fit(Path(args.profile), Path(args.profile_cpu_preprocess), args.runs, args.held_out, args.host_loop,
-                      stages=args.fit_stages, door=args.fit_door)
+                      stages=args.fit_stages, door=args.fit_door, max_rate=args.fit_max_rate)
         if args.write_profile:
             fit["written"] = write_mps(fit, [Path(args.profile), Path(args.profile_cpu_preprocess)], args.runs)
         print(json.dumps(fit, indent=1))

@@ -320,6 +320,29 @@ def test_the_mps_fit_can_score_each_stage_against_the_workers_counters(monkeypat
     assert [g["fit_error"] for g in staged["grid"]] != [g["fit_error"] for g in plain["grid"]]
 
 
+def test_the_mps_fit_can_fit_up_to_a_higher_rate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fit-max-rate``: run 35a served three layouts at 8.5 req/s only (one H100). Up to the
+    default 7 req/s every point is held out and the fit scores nothing; up to 8.5 each is a fit
+    point, so the fit's error reads those points, where TPOT is near the moderate tier's bound and
+    decides goodput, and the two grid points rank apart. The result names the rate it fitted up to."""
+    import twin_agreement as ta
+
+    monkeypatch.setattr(ta, "MPS_GRID", {"contention": (0.1, 0.3), "decode_corun": (0.0,), "decode_saturation": (0.05,),
+                                         "encode_corun": (0.9,), "decode_contention": (0.0,)})
+    results = REPO / "benchmarks" / "results"
+    args = (results / "engine_profile_h100_llava7b_run20.json",
+            results / "engine_profile_h100_llava7b_cpu_preprocess_run20.json",
+            str(results / "gpu_serve_h100_run35a_300req.json"))
+    low, high = ta.mps_fit(*args), ta.mps_fit(*args, max_rate=8.5)
+    assert {r["rate"] for r in low["points"]} == {8.5}
+    assert all(r["held_out"] for r in low["points"]) and all(g["fit_error"] == 0 for g in low["grid"])
+    assert not any(r["held_out"] for r in high["points"]) and len(high["points"]) == 3
+    assert (low["fit_rates_up_to"], high["fit_rates_up_to"]) == (ta.MPS_FIT_MAX_RATE, 8.5)
+    errors = [g["fit_error"] for g in high["grid"]]
+    assert min(errors) > 0 and errors[0] != errors[1]
+    assert [g["fit_error"] for g in high["grid"]] == [g["held_out_error"] for g in low["grid"]]
+
+
 def test_the_mps_fit_can_run_each_point_behind_the_door_it_was_served_through(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--mps-fit --fit-door``: each point's twin runs behind its frontend's door, sized as the run's
     pods sized it. Run 34c and 34d served the same two systems at 10 req/s, the pods reading the H100's
