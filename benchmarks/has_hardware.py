@@ -159,7 +159,8 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
     for r in result.real_trials:
         if r.ok:
             distinct.setdefault(r.candidate.key(), r)
-    ranked = rank(list(distinct.values()), lambda r: r.metrics, Objective.parse(f"goodput@{TIER}"))
+    ranked = rank(list(distinct.values()), lambda r: r.metrics, Objective.parse(f"goodput@{TIER}"),
+                  prefer=lambda r: r.candidate.is_baseline())
     return result, ranked
 
 
@@ -202,9 +203,12 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         obj = Objective.parse(f"goodput@{TIER}")
         bests = [(cap, next(r for r in ranked if r.candidate.key() == res.best.candidate.key()))
                  for cap, res, ranked in searches]
-        pick = rank(bests, lambda cr: cr[1].metrics, obj)[0]
+        def baseline(cr: Any) -> bool:  # the tuner's tie rule (selection.select_best)
+            return bool(cr[1].candidate.is_baseline())
+
+        pick = rank(bests, lambda cr: cr[1].metrics, obj, prefer=baseline)[0]
         rest = [(cap, r) for cap, _, ranked in searches for r in ranked if r is not pick[1]]
-        top = [pick, *rank(rest, lambda cr: cr[1].metrics, obj)[: TOP - 1]]
+        top = [pick, *rank(rest, lambda cr: cr[1].metrics, obj, prefer=baseline)[: TOP - 1]]
 
         def entry(cap: int | None, r: Any) -> dict[str, Any]:
             name = system_of(r.candidate, pre, cap)

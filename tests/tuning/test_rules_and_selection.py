@@ -98,3 +98,41 @@ def test_goodput_objective_ranks_by_tier():
         Objective.parse("latency")
     with pytest.raises(KeyError, match="strict"):
         Objective.parse("goodput@strict").value(items[0])
+
+
+def test_a_tie_goes_to_the_preferred_item_before_ttft():
+    """``prefer`` ranks before TTFT inside the tie tolerance only: a preferred item outside it
+    loses, and without ``prefer`` the lowest TTFT wins as before."""
+    good = Objective.parse("goodput@moderate")
+    fast, baseline, far = m(8.0, 0.3, 0.021, 8.04), m(8.0, 0.45, 0.020, 8.02), m(8.0, 0.2, 0.02, 7.5)
+    items = [fast, baseline, far]
+    assert select_best(items, lambda x: x, good) is fast
+    assert select_best(items, lambda x: x, good, prefer=lambda x: x is baseline) is baseline
+    assert select_best(items, lambda x: x, good, prefer=lambda x: x is far) is fast
+    assert rank(items, lambda x: x, good, prefer=lambda x: x is baseline) == [baseline, fast, far]
+
+
+def test_the_search_picks_the_baseline_configuration_in_a_tie():
+    """``SearchOutcome.best``: run 35's pair at 8.5 req/s on one H100 as the twin ranked it with
+    the candidate constants (E1 P1 D1 B 9 s 0.5 within 0.3 % of B 1 s 1, with the lower TTFT).
+    The tuner picks B 1 s 1 (``Candidate.is_baseline``), which the GPU served at 8.08 req/s of
+    moderate goodput against the other's 6.91. A clear win (over the 1 % tolerance) still goes to
+    the micro-batched layout."""
+    from easerve_operator.tuning.loop import SearchOutcome
+    from easerve_operator.tuning.records import TrialRecord
+    from easerve_operator.tuning.space import Alloc, Candidate
+
+    e1p1d1 = Alloc(1, 1, 1, 1, 1)
+    b9, b1 = Candidate(e1p1d1, 9, 0.5), Candidate(e1p1d1, 1, 1.0)
+    assert b1.is_baseline() and not b9.is_baseline() and not Candidate(e1p1d1, 1, 0.9).is_baseline()
+    good = Objective.parse("goodput@moderate")
+
+    def outcome(v9: float, v1: float) -> SearchOutcome:
+        recs = [TrialRecord(0, "has", b9, "complete", m(8.0, 0.34, 0.0188, v9), v9),
+                TrialRecord(1, "has", b1, "complete", m(8.0, 0.35, 0.0186, v1), v1)]
+        return SearchOutcome("has", recs, "budget", 0.0, good)
+
+    tie = outcome(8.04, 8.02)
+    assert tie.best() is tie.records[1]
+    clear = outcome(8.3, 8.02)
+    assert clear.best() is clear.records[0]

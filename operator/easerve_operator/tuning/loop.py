@@ -128,14 +128,15 @@ class SearchOutcome:
         return [r for r in self.records if not r.cached]
 
     def best(self) -> TrialRecord | None:
-        """The winner under the lexicographic rule among successful real trials."""
+        """The winner under the lexicographic rule among successful real trials (a tie goes to
+        the baseline configuration, ``Candidate.is_baseline``)."""
         ok = [r for r in self.real if r.ok]
 
         def metrics(r: TrialRecord) -> TrialMetrics:
             assert r.metrics is not None
             return r.metrics
 
-        return select_best(ok, metrics, self.objective, self.rel_tol)
+        return select_best(ok, metrics, self.objective, self.rel_tol, prefer=lambda r: r.candidate.is_baseline())
 
 
 def run_search(

@@ -6,6 +6,14 @@ objective is within ``rel_tol`` (relative) of the best is a tie, and the tie is 
 lowest mean TTFT, then the lowest mean TPOT. With ``rel_tol=0`` the order is strictly
 lexicographic. ``goodput@<tier>`` ranks by goodput at that SLO tier instead of throughput
 (no peer system does that; it is what an SLO-bound operator actually wants).
+
+Before TTFT, a tie goes to the baseline configuration when it is among the tied (``prefer``: the
+tuner passes B = 1 and s = 1, the Dynamo-style mechanisms; ``Candidate.is_baseline``). Why: the
+issue's rule is that HAS falls back to the baseline "when nothing else pays", and a win inside the
+tie tolerance is not evidence that micro-batching or a local prefill pays. The twin's goodput
+errors against the GPU are an order larger than the tolerance: at 8.5 req/s on one H100 the twin
+put E1 P1 D1 B 9 s 0.5 within 0.3 % of B 1 s 1 with the lower TTFT, and served (run 35) it read
+6.91 req/s of moderate goodput against B 1 s 1's 8.08.
 """
 
 from __future__ import annotations
@@ -58,12 +66,14 @@ def select_best(
     metrics: Callable[[T], TrialMetrics],
     objective: Objective,
     rel_tol: float = DEFAULT_TIE_TOLERANCE,
+    prefer: Callable[[T], bool] | None = None,
 ) -> T | None:
     """The winner of ``items`` under the lexicographic rule (``None`` if empty).
 
-    Among the items whose objective is within ``rel_tol`` of the best objective, pick the lowest
-    mean TTFT, then the lowest mean TPOT, then the highest objective; remaining exact ties keep
-    the earliest item (stable), so the result never depends on dict or set order.
+    Among the items whose objective is within ``rel_tol`` of the best objective, pick one that
+    ``prefer`` marks (the baseline configuration) if any, then the lowest mean TTFT, then the
+    lowest mean TPOT, then the highest objective; remaining exact ties keep the earliest item
+    (stable), so the result never depends on dict or set order.
     """
     if not items:
         return None
@@ -74,7 +84,14 @@ def select_best(
     floor = best - abs(best) * rel_tol
     tied = [(idx, it) for idx, (it, v) in enumerate(zip(items, vals, strict=True)) if v >= floor]
     idx, winner = min(
-        tied, key=lambda p: (metrics(p[1]).ttft_mean, metrics(p[1]).tpot_mean, -vals[p[0]], p[0])
+        tied,
+        key=lambda p: (
+            not (prefer is not None and prefer(p[1])),
+            metrics(p[1]).ttft_mean,
+            metrics(p[1]).tpot_mean,
+            -vals[p[0]],
+            p[0],
+        ),
     )
     return winner
 
@@ -84,12 +101,13 @@ def rank(
     metrics: Callable[[T], TrialMetrics],
     objective: Objective,
     rel_tol: float = DEFAULT_TIE_TOLERANCE,
+    prefer: Callable[[T], bool] | None = None,
 ) -> list[T]:
     """All items best-first by repeatedly applying ``select_best`` (stable, O(n²), n ≤ budget)."""
     rest = list(items)
     out: list[T] = []
     while rest:
-        w = select_best(rest, metrics, objective, rel_tol)
+        w = select_best(rest, metrics, objective, rel_tol, prefer)
         assert w is not None
         i = next(k for k, x in enumerate(rest) if x is w)
         out.append(rest.pop(i))

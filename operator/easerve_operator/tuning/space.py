@@ -112,6 +112,12 @@ class Candidate:
     def key(self) -> tuple[Alloc, int, float]:
         return (self.alloc, self.batch_bound, round_s(self.offload_ratio))
 
+    def is_baseline(self) -> bool:
+        """B = 1 and s = 1: no micro-batching and every prefill remote (Dynamo-style's mechanisms,
+        ``stage2.fallback_candidate``'s first choice). The ranking prefers it in a tie
+        (``selection.select_best``)."""
+        return self.batch_bound == 1 and round_s(self.offload_ratio) == 1.0
+
     def to_dict(self) -> dict[str, object]:
         return {
             "allocation": self.alloc.label,
