@@ -950,7 +950,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
     ``max_rate`` (``--fit-max-rate``): the points above it are held out (default
     ``MPS_FIT_MAX_RATE``). Why raise it: at 7 req/s and under, TPOT sits far below the moderate
     tier's 25 ms bound, so a TPOT error there moves no goodput; run 35 (8.5 req/s, one H100) showed
-    constants fitted there reading every s < 1 layout's TPOT 7-16 % under the GPU's at 8.5, where
+    constants fitted there reading every s < 1 layout's TPOT 7-17 % under the GPU's at 8.5, where
     the bound decides, and their goodput up to 1.6x over."""
     import itertools
     import multiprocessing
