@@ -115,8 +115,8 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
                progress: bool = True, preprocessing: str = "gpu", mps: int | None = None) -> tuple[Any, list[Any]]:
     """HAS on the calibrated twin (``search.tune``, as ``easerve tune --backend sim`` runs it, its
     trials time-slicing one host GPU); returns the result and its distinct successful trials,
-    best first by the tuner's own ranking (goodput, ties by mean TTFT then TPOT)."""
-    from easerve_operator.tuning.loop import StopRules
+    best first by the tuner's own ranking (goodput; a tie to the baseline, then by mean TTFT, then TPOT)."""
+    from easerve_operator.tuning.loop import StopRules, baseline_first
     from easerve_operator.tuning.runners.sim import SimRunner, SimStageProfiler
     from easerve_operator.tuning.search import tune
     from easerve_operator.tuning.selection import Objective, rank
@@ -160,7 +160,7 @@ def has_search(rate: float, pods: int, requests: int, trials: int, seed: int, tm
         if r.ok:
             distinct.setdefault(r.candidate.key(), r)
     ranked = rank(list(distinct.values()), lambda r: r.metrics, Objective.parse(f"goodput@{TIER}"),
-                  prefer=lambda r: r.candidate.is_baseline())
+                  prefer=baseline_first)
     return result, ranked
 
 
@@ -184,6 +184,7 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
     caps. Why: the cap trades the encode and prefill processes' pace against the GPU they leave,
     and at 7 req/s on an H100 it moved Dynamo-style's measured goodput 1.5x (run 22: 4.27 at
     70 %, 2.86 at 85 %); a plan held to one cap could not follow that."""
+    from easerve_operator.tuning.loop import baseline_first
     from easerve_operator.tuning.selection import Objective, rank
     from easerve_operator.tuning.space import enumerate_allocations
 
@@ -203,8 +204,8 @@ def plan(rate: float, pods: int = PODS, requests: int = REQUESTS, trials: int = 
         obj = Objective.parse(f"goodput@{TIER}")
         bests = [(cap, next(r for r in ranked if r.candidate.key() == res.best.candidate.key()))
                  for cap, res, ranked in searches]
-        def baseline(cr: Any) -> bool:  # the tuner's tie rule (selection.select_best)
-            return bool(cr[1].candidate.is_baseline())
+        def baseline(cr: Any) -> bool:  # the tuner's tie rule, on (cap, trial) pairs
+            return baseline_first(cr[1])
 
         pick = rank(bests, lambda cr: cr[1].metrics, obj, prefer=baseline)[0]
         rest = [(cap, r) for cap, _, ranked in searches for r in ranked if r is not pick[1]]

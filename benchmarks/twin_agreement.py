@@ -925,7 +925,7 @@ def mps_fit(profile: Path, cpu_pre: Path, runs_glob: str, held_out_glob: str = "
             max_rate: float = MPS_FIT_MAX_RATE) -> dict[str, Any]:
     """Calibrate the MPS twin's constants (``engine.mps``: ``MPS_KEYS``) on the ``+mpsNN`` points of
     the runs: the grid point with the least mean |log(twin / GPU)| over moderate-tier goodput, TPOT
-    p50 and P99 TTFT at the fit points; the held-out points' errors (above ``MPS_FIT_MAX_RATE``, and
+    p50 and P99 TTFT at the fit points; the held-out points' errors (above ``max_rate``, and
     every point of ``held_out_glob``'s runs) at that grid point beside it.
 
     ``decode_row_ms`` is read off the fit runs' decode counters (``capped_step_row_ms``), and each

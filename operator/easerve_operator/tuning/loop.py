@@ -113,6 +113,13 @@ def stop_reason(
     return None
 
 
+def baseline_first(record: TrialRecord) -> bool:
+    """The trial a tie goes to (``selection.select_best``'s ``prefer``): the baseline configuration
+    (``Candidate.is_baseline``). The tuner's pick and anything that re-ranks its trials (the GPU
+    plans of ``benchmarks/has_hardware.py``) read this one rule."""
+    return record.candidate.is_baseline()
+
+
 @dataclass
 class SearchOutcome:
     method: str
@@ -136,7 +143,7 @@ class SearchOutcome:
             assert r.metrics is not None
             return r.metrics
 
-        return select_best(ok, metrics, self.objective, self.rel_tol, prefer=lambda r: r.candidate.is_baseline())
+        return select_best(ok, metrics, self.objective, self.rel_tol, prefer=baseline_first)
 
 
 def run_search(
